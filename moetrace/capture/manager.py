@@ -1,0 +1,98 @@
+"""Host-side routing rows, kept per KV slot, and the snapshots that outlive blocks.
+
+``RoutedExpertsManager`` mirrors the KV cache: one row per slot.  A token's
+row lives where its KV lives, so a prefix-cache hit finds the rows of the
+request that computed the block, for free.  Each row carries the epoch its
+block had when the step was scheduled; a row whose epoch differs from the
+block's current one belongs to an earlier owner and is never returned.
+
+``RoutedExpertsCache`` snapshots a request's rows before its blocks are freed
+(finish, abort, preemption).  On finish, the snapshot taken first wins for the
+rows it holds — those are the rows that produced the tokens — and later rows
+(recomputed after a preemption) fill in the rest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moetrace.capture.types import RoutedExpertsLists
+from moetrace.engine.request import Request
+
+
+class StaleRoutingError(RuntimeError):
+    """A row that should exist is missing or stale: a bug, never written to a trace."""
+
+
+class RoutedExpertsManager:
+    def __init__(
+        self,
+        num_slots: int,
+        num_moe_layers: int,
+        top_k: int,
+        dtype: np.dtype,
+        block_size: int,
+        block_epochs: np.ndarray,
+    ) -> None:
+        self.rows = np.zeros((num_slots, num_moe_layers, top_k), dtype=dtype)
+        self.row_epochs = np.zeros(num_slots, dtype=np.int64)  # 0: never written
+        self.block_size = block_size
+        self.block_epochs = block_epochs  # shared with the block manager, updated in place
+
+    def store_batch(self, lists: RoutedExpertsLists) -> None:
+        lists.wait()
+        self.rows[lists.slots] = lists.routing
+        self.row_epochs[lists.slots] = lists.slot_epochs
+
+    def gather(self, block_table: list[int], num_rows: int) -> tuple[np.ndarray, int]:
+        """Rows of the first ``num_rows`` tokens and how many of them, from the start, are fresh."""
+        if num_rows == 0:
+            return self.rows[:0].copy(), 0
+        blocks = np.asarray(block_table, dtype=np.int64)
+        positions = np.arange(num_rows)
+        block_of = blocks[positions // self.block_size]
+        slots = block_of * self.block_size + positions % self.block_size
+        fresh = self.row_epochs[slots] == self.block_epochs[block_of]
+        num_fresh = num_rows if fresh.all() else int(np.argmin(fresh))
+        return self.rows[slots], num_fresh
+
+
+class RoutedExpertsCache:
+    def __init__(self, manager: RoutedExpertsManager) -> None:
+        self.manager = manager
+        self._snapshots: dict[str, np.ndarray] = {}
+
+    def capture(self, request: Request) -> None:
+        """Save the request's computed rows; call before its blocks are freed."""
+        num_rows = min(
+            request.num_computed_tokens, len(request.block_table) * self.manager.block_size
+        )
+        rows, num_fresh = self.manager.gather(request.block_table, num_rows)
+        rows = rows[:num_fresh]
+        held = self._snapshots.get(request.request_id)
+        if held is not None and held.shape[0] >= rows.shape[0]:
+            return
+        if held is not None:
+            rows = np.concatenate([held, rows[held.shape[0] :]])
+        self._snapshots[request.request_id] = rows
+
+    def take(self, request: Request, num_rows: int | None = None) -> np.ndarray:
+        """The request's final rows (all it has when ``num_rows`` is None).
+
+        The request must have been captured after its last step; fewer valid
+        rows than ``num_rows`` is a bug and raises rather than write a wrong trace.
+        """
+        rows = self._snapshots.pop(request.request_id, None)
+        if rows is None:
+            rows = self.manager.rows[:0].copy()
+        have = rows.shape[0]
+        if num_rows is None:
+            return rows
+        if have < num_rows:
+            raise StaleRoutingError(
+                f"request {request.request_id!r}: {have} valid routing rows, expected {num_rows}"
+            )
+        return rows[:num_rows]
+
+    def discard(self, request: Request) -> None:
+        self._snapshots.pop(request.request_id, None)

@@ -1,0 +1,65 @@
+"""Per-step forward context: what attention needs to find each token's KV.
+
+The model runner builds one ``AttentionMetadata`` per step and installs it with
+``set_forward_context``; attention layers read it with ``get_forward_context``
+instead of having it threaded through every module call.  All device tensors
+are built before the forward so that nothing inside it needs the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the step's tokens sit in the paged KV cache.
+
+    Tokens of all scheduled sequences are packed one after another
+    (``query_start_loc`` gives each sequence's range).  A sequence's new tokens
+    are its last ``q_len`` tokens: query ``i`` of sequence ``b`` is at position
+    ``seq_lens[b] - q_len_b + i`` and attends to keys ``0..that position``.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]: tokens in context after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, for the plain-torch path (never read inside a CUDA graph).
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    """Make ``meta`` visible to attention layers for the duration of one forward."""
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention called outside a forward_context")
+    return _current

@@ -1,0 +1,218 @@
+"""The engine loop: admit requests, schedule, run, store routing, hand out finished requests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moetrace.capture.manager import RoutedExpertsCache, RoutedExpertsManager
+from moetrace.config import EngineConfig
+from moetrace.engine.block_manager import BlockManager
+from moetrace.engine.model_runner import ModelRunner
+from moetrace.engine.outputs import FinishedRequest
+from moetrace.engine.request import Request, RequestStatus
+from moetrace.engine.sampling import SamplingParams
+from moetrace.engine.scheduler import Scheduler
+from moetrace.errors import CapacityError, MoetraceError
+from moetrace.models.base import MoEForCausalLM
+from moetrace.trace.metadata import expert_id_dtype
+
+
+class RequestRejected(MoetraceError):
+    """A request that can never run; ``field`` names the offending input field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(problem)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+
+
+def kv_bytes_per_block(model: MoEForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    item = torch.empty(0, dtype=dtype).element_size()
+    return sum(
+        2 * block_size * a.num_kv_heads * a.head_dim * item for a in model.attention_layers()
+    )
+
+
+def default_num_blocks(
+    model: MoEForCausalLM, config: EngineConfig, max_model_len: int, device: torch.device
+) -> int:
+    dtype = next(model.parameters()).dtype
+    per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    blocks_for_all = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        activations = config.max_num_batched_tokens * model.vocab_size * 4 * 2
+        budget = int(free * config.gpu_memory_utilization) - activations
+    else:
+        budget = int(config.cpu_kv_cache_gib * (1 << 30))
+    return max(1, min(blocks_for_all, budget // per_block))
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: MoEForCausalLM,
+        config: EngineConfig,
+        device: torch.device,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        config.validate()
+        self.model = model
+        self.config = config
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        num_blocks = config.num_kv_blocks or default_num_blocks(
+            model, config, self.max_model_len, device
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.routing_manager: RoutedExpertsManager | None = None
+        self.routing_cache: RoutedExpertsCache | None = None
+        if config.capture_routing:
+            self.routing_manager = RoutedExpertsManager(
+                num_blocks * config.block_size,
+                len(model.moe_layer_indices),
+                model.top_k,
+                expert_id_dtype(model.num_experts),
+                config.block_size,
+                self.block_manager.epochs,
+            )
+            self.routing_cache = RoutedExpertsCache(self.routing_manager)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            before_free=self._before_free,
+        )
+        self.runner = ModelRunner(model, config, num_blocks, device)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+
+    # --------------------------------------------------------------- requests
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Refuse, before any work, a request that could never complete."""
+        if not prompt_token_ids:
+            raise RequestRejected("prompt", "empty prompt")
+        vocab = self.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(
+                "prompt_token_ids", f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                "prompt", f"prompt has {n} tokens; the model's context is {self.max_model_len}"
+            )
+        if n + sampling.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len}",
+            )
+        bs = self.config.block_size
+        blocks = -(-(n + sampling.max_tokens - 1) // bs)
+        if blocks > self.block_manager.num_blocks:
+            raise CapacityError(
+                f"the KV cache holds {self.block_manager.num_blocks} blocks of {bs} tokens; one "
+                f"request needs {blocks} (raise --num-kv-blocks or lower max_tokens)"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        index: int = 0,
+    ) -> None:
+        if request_id in self._requests:
+            raise RequestRejected("id", f"duplicate request id {request_id!r}")
+        self.check_request(prompt_token_ids, sampling)
+        request = Request(
+            request_id, prompt_token_ids, sampling, index=index, eos_token_ids=self.eos_token_ids
+        )
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def abort(self, request_ids: Iterable[str]) -> list[FinishedRequest]:
+        aborted = self.scheduler.abort(set(request_ids))
+        return [self._finish(r) for r in aborted]
+
+    # --------------------------------------------------------------- stepping
+    def _before_free(self, request: Request) -> None:
+        if self.routing_cache is not None:
+            self.routing_cache.capture(request)
+
+    def step(self) -> list[FinishedRequest]:
+        output = self.scheduler.schedule()
+        self.stats.preemptions += len(output.preempted)
+        if not output:
+            if self.scheduler.has_work():
+                raise CapacityError(
+                    f"no request fits in the KV cache ({self.block_manager.num_blocks} blocks of "
+                    f"{self.config.block_size}); raise --num-kv-blocks"
+                )
+            return []
+        result = self.runner.execute(output, self.block_manager.epochs)
+        if result.routing is not None and self.routing_manager is not None:
+            self.routing_manager.store_batch(result.routing)
+        finished = self.scheduler.update(output, result.sampled)
+        self.stats.steps += 1
+        self.stats.output_tokens += len(result.sampled)
+        self.stats.prompt_tokens_computed += sum(
+            s.num_new_tokens
+            for s in output.scheduled
+            if s.num_computed_before < s.request.num_prompt_tokens
+        )
+        return [self._finish(r) for r in finished]
+
+    def _finish(self, request: Request) -> FinishedRequest:
+        self._requests.pop(request.request_id, None)
+        L, k = len(self.model.moe_layer_indices), self.model.top_k
+        if self.routing_cache is None:
+            rows = np.zeros((0, L, k), dtype=expert_id_dtype(self.model.num_experts))
+        elif request.status is RequestStatus.FINISHED_ABORTED:
+            rows = self.routing_cache.take(request)
+        else:
+            rows = self.routing_cache.take(request, request.num_tokens - 1)
+        return FinishedRequest(
+            request_id=request.request_id,
+            index=request.index,
+            prompt_token_ids=np.asarray(
+                request.token_ids[: request.num_prompt_tokens], dtype=np.int32
+            ),
+            output_token_ids=np.asarray(request.output_token_ids, dtype=np.int32),
+            routed_experts=rows,
+            finish_reason=request.status.value,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            num_preemptions=request.num_preemptions,
+        )
+
+    def run(self) -> Iterator[FinishedRequest]:
+        """Step until every added request has finished, yielding each as it ends."""
+        while self.has_unfinished():
+            yield from self.step()

@@ -1,0 +1,66 @@
+"""What every model family provides to the engine.
+
+A family module builds an ``MoEForCausalLM`` from the checkpoint's config
+dict, names its MoE layers, and maps checkpoint tensor names onto its own
+parameters (``load_weight``).  Everything else — KV caches, capture, sampling —
+is the engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from moetrace.capture.capturer import RoutingCapturer
+from moetrace.layers.attention import PagedAttention
+
+
+class MoEBlockBase(nn.Module):
+    """Common capture hook of a routed MLP: records the ids it selected."""
+
+    moe_index: int = -1
+    capturer: RoutingCapturer | None = None
+
+    def record(self, ids: torch.Tensor) -> None:
+        if self.capturer is not None:
+            self.capturer.record(self.moe_index, ids)
+
+
+class MoEForCausalLM(nn.Module):
+    architecture: str = ""
+    num_experts: int
+    top_k: int
+    moe_layer_indices: list[int]
+    vocab_size: int
+    max_model_len: int
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one checkpoint tensor into place; False if the name is not ours."""
+        raise NotImplementedError
+
+    def expected_weight_names(self) -> set[str]:
+        """Every checkpoint tensor name the model needs."""
+        raise NotImplementedError
+
+    def attention_layers(self) -> Iterator[PagedAttention]:
+        return (m for m in self.modules() if isinstance(m, PagedAttention))
+
+    def moe_blocks(self) -> list[MoEBlockBase]:
+        return [m for m in self.modules() if isinstance(m, MoEBlockBase)]
+
+    def set_capturer(self, capturer: RoutingCapturer | None) -> None:
+        for block in self.moe_blocks():
+            block.capturer = capturer
+
+    def kv_cache_shape(self) -> tuple[int, int]:
+        """(num_kv_heads, head_dim) of each attention layer's cache."""
+        layer = next(self.attention_layers())
+        return layer.num_kv_heads, layer.head_dim

@@ -1,0 +1,165 @@
+"""Turn a MODEL argument into a ready model: config, weights, tokenizer.
+
+MODEL is a Hugging Face checkpoint directory (``config.json`` plus one or
+many ``*.safetensors``, with an index when sharded) or the built-in ``demo``.
+The model is built directly on the target device in the target dtype, so a
+large checkpoint is never materialised twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moetrace.errors import ModelError
+from moetrace.models.base import MoEForCausalLM
+from moetrace.models.registry import build_model, resolve_architecture
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class LoadedModel:
+    model: MoEForCausalLM
+    config: dict
+    source: str  # the MODEL argument as given
+    path: Path | None  # checkpoint directory (None for the built-in demo)
+    dtype: torch.dtype
+    config_digest: str
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not path.exists():
+        raise ModelError(f"no such model directory: {path}")
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a directory (MODEL is a checkpoint directory or 'demo')")
+    if not config_file.exists():
+        raise ModelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(
+            f"{config_file}: not valid JSON ({exc.msg} at line {exc.lineno})"
+        ) from None
+
+
+def config_digest(config: dict) -> str:
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def resolve_dtype(name: str, config: dict, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ModelError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls on CPU are slow and rarely what a CPU run wants
+    declared = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return DTYPES.get(declared.replace("torch.", ""), torch.bfloat16)
+
+
+def instantiate(
+    config: dict, source: str, dtype: torch.dtype, device: torch.device
+) -> MoEForCausalLM:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(config, source)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelError(f"{index}: names missing shard files: {', '.join(missing[:3])}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(
+            f"{path}: no *.safetensors files (use --load-format dummy for random weights)"
+        )
+    return files
+
+
+def load_safetensors(model: MoEForCausalLM, path: Path, device: torch.device) -> None:
+    expected = model.expected_weight_names()
+    seen: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name not in expected:
+                    continue
+                try:
+                    model.load_weight(name, f.get_tensor(name))
+                except ModelError as exc:
+                    raise ModelError(f"{file}: {exc}") from None
+                seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelError(f"{path}: checkpoint lacks {', '.join(missing[:3])}{more}")
+
+
+def fill_dummy(model: MoEForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights: matrices N(0, std), norm scales 1, biases 0."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            device = param.device
+            gen = torch.Generator(device=device).manual_seed(seed + _stable_index(name))
+            if param.dim() == 1:
+                if "norm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.zero_()
+            else:
+                param.normal_(0.0, std, generator=gen)
+
+
+def _stable_index(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
+
+
+def load_model(
+    source: str,
+    *,
+    device: torch.device,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LoadedModel:
+    if load_format not in LOAD_FORMATS:
+        raise ModelError(f"unknown load format {load_format!r}; choose {', '.join(LOAD_FORMATS)}")
+    if source == "demo":
+        from moetrace.models.demo import load_demo
+
+        return load_demo(device=device, dtype=dtype)
+    path = Path(source).expanduser()
+    config = read_config(path)
+    resolve_architecture(config, str(path))
+    torch_dtype = resolve_dtype(dtype, config, device)
+    model = instantiate(config, str(path), torch_dtype, device)
+    if load_format == "dummy":
+        fill_dummy(model, seed)
+    else:
+        load_safetensors(model, path, device)
+    return LoadedModel(model, config, source, path, torch_dtype, config_digest(config))

@@ -1,0 +1,47 @@
+"""The facts about a recording that every trace file carries in its root attributes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORMAT_NAME = "moetrace-trace"
+FORMAT_VERSION = 1
+
+
+def expert_id_dtype(num_experts: int) -> np.dtype:
+    """Narrowest unsigned dtype that holds every expert id (no silent overflow)."""
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if num_experts <= 1 << 8:
+        return np.dtype(np.uint8)
+    if num_experts <= 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.uint32)
+
+
+@dataclass
+class TraceMetadata:
+    """Model and engine facts written once per trace."""
+
+    model: str  # the MODEL argument as given (path or built-in name)
+    architecture: str  # e.g. "Qwen3MoeForCausalLM"
+    config_digest: str  # sha256 of the checkpoint's config.json text (canonical JSON)
+    num_hidden_layers: int
+    moe_layer_indices: list[int]  # decoder layers that route, in order; routed_experts axis 1
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    tokenizer: str | None = None  # path to tokenizer.json, when the model has one
+    dtype: str = "float32"  # compute dtype
+    engine_settings: dict = field(default_factory=dict)  # JSON-able
+    moetrace_version: str = ""
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_indices)
+
+    @property
+    def expert_dtype(self) -> np.dtype:
+        return expert_id_dtype(self.num_experts)
