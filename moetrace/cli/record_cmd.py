@@ -135,7 +135,7 @@ def _run_with_progress(recording: Recording, console: Console) -> RecordResult:
         TextColumn("{task.fields[rows]:>10,} rows"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("record", total=recording.total, rate=0.0, rows=0)
 
         def update(result: RecordResult, total: int | None) -> None:

@@ -1,0 +1,40 @@
+# Set-up and everyday commands. `make demo` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+# torch 2.13.0: on the project's CPU machines pip takes a local CPU wheel; elsewhere PyPI's build.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	printf '%s\n' \
+	  '{"id": "greeting", "prompt": "Hello! Tell me about experts."}' \
+	  '{"id": "code", "prompt": "def fibonacci(n):", "max_tokens": 24}' \
+	  '{"id": "chat", "messages": [{"role": "user", "content": "What is routing?"}]}' \
+	  '{"id": "ids", "prompt_token_ids": [72, 101, 108, 108, 111]}' > $(VENV)/demo-prompts.jsonl
+	$(BIN)/moetrace record demo $(VENV)/demo-prompts.jsonl -o demo-trace.h5 --overwrite
+	$(BIN)/moetrace inspect demo-trace.h5
+
+test: install
+	$(BIN)/ruff check moetrace tests benchmarks
+	$(BIN)/ruff format --check moetrace tests benchmarks
+	$(BIN)/pytest -q
+
+format: install
+	$(BIN)/ruff check --fix moetrace tests benchmarks
+	$(BIN)/ruff format moetrace tests benchmarks
+
+clean:
+	rm -rf $(VENV) demo-trace.h5 .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+"""Run as ``python -m moetrace``."""
+
+from moetrace.cli.app import main
+
+main()

@@ -1,0 +1,492 @@
+"""Read the prompts to record from JSON Lines.
+
+Each non-blank line is one request, either in moetrace's own small format or as
+an OpenAI batch line.  Parsing is strict on purpose: a misspelled key or a
+value of the wrong type would otherwise silently change what gets recorded, and
+a trace is only worth something if it records exactly what was asked for.
+Every problem becomes an ``InputError`` that names the file, line and field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moetrace.errors import InputError
+
+STDIN = "-"
+STDIN_NAME = "<stdin>"
+
+# Token ids end up in int32 arrays; anything larger can only be a mistake.
+MAX_TOKEN_ID = 2**31 - 1
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
+_ALIASES = {"max_completion_tokens": "max_tokens"}
+_REQUEST_KEYS = (*PROMPT_KEYS, *SAMPLING_KEYS, *_ALIASES)
+_PLAIN_KEYS = ("id", *_REQUEST_KEYS)
+
+BATCH_KEYS = ("custom_id", "method", "url", "body")
+BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+# Body keys that do not change what is computed; accepted and dropped.
+_BODY_IGNORED = ("model", "user", "metadata", "store")
+# Body keys accepted only with the value that matches what moetrace does anyway.
+_BODY_FIXED = {"n": 1, "stream": False}
+
+
+@dataclass
+class PromptSpec:
+    """One request as read from the input, before tokenization.
+
+    Exactly one of ``text``, ``token_ids`` and ``messages`` is set.
+    ``sampling`` holds only the overrides given on the line, under the keys in
+    ``SAMPLING_KEYS`` (``max_completion_tokens`` arrives as ``max_tokens``;
+    ``top_k`` 0 means off, -1 is normalized to 0).
+    """
+
+    id: str
+    line: int  # 1-based line in the source
+    index: int  # 0-based position among accepted requests
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys; that hides typos and merges.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _show(value: Any) -> str:
+    """Render a bad value the way the user wrote it, cut to a readable length."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+@dataclass
+class _Line:
+    """Where we are, so every error can say it."""
+
+    source: str
+    line: int
+    prefix: str = ""  # "body." inside an OpenAI batch line
+
+    def error(self, field: str | None, problem: str) -> InputError:
+        return InputError(
+            self.source, self.line, None if field is None else self.prefix + field, problem
+        )
+
+    def nested(self, prefix: str) -> _Line:
+        return _Line(self.source, self.line, self.prefix + prefix)
+
+
+def _check_keys(where: _Line, obj: dict, allowed: tuple[str, ...]) -> None:
+    for key in obj:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise where.error(key, f"unknown field{hint}")
+
+
+def _text(where: _Line, name: str, value: Any, *, allow_empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise where.error(name, f"expected a string, got {_show(value)}")
+    if not allow_empty and not value:
+        raise where.error(name, "empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON allows "\ud800"; no tokenizer can encode it.
+        raise where.error(name, "contains an unpaired UTF-16 surrogate") from None
+    return value
+
+
+def _request_id(where: _Line, name: str, value: Any) -> str:
+    if _is_int(value):
+        return str(value)
+    if not isinstance(value, str):
+        raise where.error(name, f"expected a string or integer, got {_show(value)}")
+    return _text(where, name, value, allow_empty=False)
+
+
+def _token_ids(where: _Line, name: str, value: Any, *, allow_empty: bool) -> list[int]:
+    if not isinstance(value, list):
+        raise where.error(name, f"expected a list of token ids, got {_show(value)}")
+    if not value and not allow_empty:
+        raise where.error(name, "empty token list")
+    for i, tok in enumerate(value):
+        if not _is_int(tok) or not 0 <= tok <= MAX_TOKEN_ID:
+            raise where.error(
+                f"{name}[{i}]", f"expected a token id (integer >= 0), got {_show(tok)}"
+            )
+    return list(value)
+
+
+def _content(where: _Line, name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return _text(where, name, value)
+    if not isinstance(value, list):
+        raise where.error(name, f"expected a string or a list of text parts, got {_show(value)}")
+    texts = []
+    for i, part in enumerate(value):
+        part_name = f"{name}[{i}]"
+        if not isinstance(part, dict) or part.get("type") != "text" or "text" not in part:
+            raise where.error(
+                part_name,
+                f'only {{"type": "text", "text": ...}} parts are supported, got {_show(part)}',
+            )
+        texts.append(_text(where, f"{part_name}.text", part["text"]))
+    # Chat templates expect a string; joining text parts with newlines is what
+    # OpenAI-compatible servers do for text-only content.
+    return "\n".join(texts)
+
+
+def _messages(where: _Line, value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise where.error("messages", f"expected a list of messages, got {_show(value)}")
+    if not value:
+        raise where.error("messages", "empty message list")
+    out = []
+    for i, msg in enumerate(value):
+        name = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise where.error(
+                name, f"expected an object with 'role' and 'content', got {_show(msg)}"
+            )
+        for key in ("role", "content"):
+            if key not in msg:
+                raise where.error(name, f"missing '{key}'")
+        role = _text(where, f"{name}.role", msg["role"], allow_empty=False)
+        content = _content(where, f"{name}.content", msg["content"])
+        # Other keys (name, tool_calls, ...) are the chat template's business.
+        out.append({**msg, "role": role, "content": content})
+    return out
+
+
+def _sampling(where: _Line, key: str, name: str, value: Any) -> Any:
+    """Validate one override; ``name`` is the canonical key, ``key`` as written."""
+    if name == "max_tokens":
+        if not _is_int(value) or value < 1:
+            raise where.error(key, f"expected a positive integer, got {_show(value)}")
+        return value
+    if name == "temperature":
+        if not _is_number(value) or value < 0:
+            raise where.error(key, f"expected a number >= 0, got {_show(value)}")
+        return float(value)
+    if name == "top_p":
+        if not _is_number(value) or not 0 < value <= 1:
+            raise where.error(key, f"expected a number in (0, 1], got {_show(value)}")
+        return float(value)
+    if name == "top_k":
+        if not _is_int(value) or value < -1:
+            raise where.error(
+                key, f"expected a positive integer (0 or -1 to disable), got {_show(value)}"
+            )
+        return max(value, 0)
+    if name == "seed":
+        if not _is_int(value) or not -(2**63) <= value < 2**64:
+            raise where.error(key, f"expected a 64-bit integer, got {_show(value)}")
+        return value
+    if name == "stop_token_ids":
+        return _token_ids(where, key, value, allow_empty=True)
+    raise AssertionError(name)
+
+
+@dataclass
+class _Request:
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def _request(where: _Line, obj: dict, prompt_keys: tuple[str, ...]) -> _Request:
+    """Read the prompt and sampling keys shared by both line formats."""
+    given = [k for k in prompt_keys if obj.get(k) is not None]
+    if not given:
+        names = " or ".join(f"'{where.prefix}{k}'" for k in prompt_keys)
+        raise where.error(None, f"no prompt: expected {names}")
+    if len(given) > 1:
+        raise where.error(
+            given[1], f"conflicts with '{where.prefix}{given[0]}' (give exactly one prompt)"
+        )
+    req = _Request()
+    key = given[0]
+    value = obj[key]
+    if key == "messages":
+        req.messages = _messages(where, value)
+    elif key == "prompt_token_ids" or (key == "prompt" and isinstance(value, list)):
+        if key == "prompt" and value and all(isinstance(v, (str, list)) for v in value):
+            raise where.error(key, "a list of prompts is not supported; put one prompt per line")
+        req.token_ids = _token_ids(where, key, value, allow_empty=False)
+    else:
+        if not isinstance(value, str):
+            raise where.error(key, f"expected a string or a list of token ids, got {_show(value)}")
+        req.text = _text(where, key, value)
+        if not req.text:
+            raise where.error(key, "empty prompt")
+
+    for raw_key in (*SAMPLING_KEYS, *_ALIASES):
+        if obj.get(raw_key) is None:  # null means "use the default"
+            continue
+        canonical = _ALIASES.get(raw_key, raw_key)
+        if canonical in req.sampling:
+            raise where.error(
+                raw_key, f"conflicts with '{where.prefix}{canonical}' (give only one)"
+            )
+        req.sampling[canonical] = _sampling(where, raw_key, canonical, obj[raw_key])
+    return req
+
+
+def _parse_plain(where: _Line, obj: dict) -> tuple[_Request, str | None]:
+    _check_keys(where, obj, _PLAIN_KEYS)
+    req = _request(where, obj, PROMPT_KEYS)
+    rid = None if obj.get("id") is None else _request_id(where, "id", obj["id"])
+    return req, rid
+
+
+def _parse_batch(where: _Line, obj: dict) -> tuple[_Request, str | None]:
+    _check_keys(where, obj, BATCH_KEYS)
+    for key in ("url", "body"):
+        if key not in obj:
+            raise where.error(None, f"OpenAI batch line without '{key}'")
+    method = obj.get("method")
+    if method is not None and method != "POST":
+        raise where.error("method", f'expected "POST", got {_show(method)}')
+    url = obj["url"]
+    if not isinstance(url, str) or url not in BATCH_URLS:
+        urls = " or ".join(f'"{u}"' for u in BATCH_URLS)
+        raise where.error("url", f"expected {urls}, got {_show(url)}")
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise where.error("body", f"expected an object, got {_show(body)}")
+
+    inner = where.nested("body.")
+    prompt_key = BATCH_URLS[url]
+    other = "prompt" if prompt_key == "messages" else "messages"
+    if other in body:
+        raise inner.error(other, f"not used by {url} (use '{prompt_key}')")
+    allowed = (prompt_key, *SAMPLING_KEYS, *_ALIASES, "stop", *_BODY_IGNORED, *_BODY_FIXED)
+    _check_keys(inner, body, allowed)
+    for key, expected in _BODY_FIXED.items():
+        value = body.get(key)
+        if value is not None and (type(value) is not type(expected) or value != expected):
+            raise inner.error(key, f"only {_show(expected)} is supported, got {_show(value)}")
+    stop = body.get("stop")
+    if stop not in (None, [], ""):
+        raise inner.error("stop", "stop strings are not supported; use 'stop_token_ids'")
+
+    req = _request(inner, body, (prompt_key,))
+    custom_id = obj.get("custom_id")
+    rid = None if custom_id is None else _request_id(where, "custom_id", custom_id)
+    return req, rid
+
+
+def _parse(source: str, line: int, text: str) -> tuple[_Request, str | None, str]:
+    """Parse one line; returns the request, its explicit id if any, and the id's key."""
+    where = _Line(source, line)
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        raise where.error(None, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except _DuplicateKey as e:
+        raise where.error(str(e.args[0]), "given twice") from None
+    except RecursionError:
+        raise where.error(None, "not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer with more digits than Python converts
+        raise where.error(None, f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise where.error(None, f"expected a JSON object, got {_json_type(obj)}")
+    if any(k in obj for k in BATCH_KEYS):
+        req, rid = _parse_batch(where, obj)
+        return req, rid, "custom_id"
+    req, rid = _parse_plain(where, obj)
+    return req, rid, "id"
+
+
+def parse_line(text: str, *, source: str = "<input>", line: int = 1, index: int = 0) -> PromptSpec:
+    """Parse a single line on its own (no duplicate-id check); raises ``InputError``."""
+    req, rid, _ = _parse(source, line, text)
+    return PromptSpec(
+        id=str(index) if rid is None else rid,
+        line=line,
+        index=index,
+        text=req.text,
+        token_ids=req.token_ids,
+        messages=req.messages,
+        sampling=req.sampling,
+    )
+
+
+class PromptReader:
+    """Lazy, re-iterable reader of a prompt source.
+
+    With ``skip_invalid`` a bad line is recorded in ``errors`` and skipped, so
+    a long recording is not lost to one typo; the caller reports ``errors``
+    once iteration ends.  Without it the first bad line raises.  Either way a
+    source with no usable prompt raises at the end of iteration.
+    """
+
+    def __init__(self, source: str | os.PathLike[str], *, skip_invalid: bool = False) -> None:
+        self.skip_invalid = skip_invalid
+        self.errors: list[InputError] = []
+        self.count = 0  # accepted prompts in the last (or current) iteration
+        self._path: Path | None = None
+        if str(source) == STDIN:
+            self.source = STDIN_NAME
+            return
+        self.source = str(source)
+        path = Path(source)
+        # Checked now, not on first next(), so a CLI fails before loading a model.
+        if not path.exists():
+            raise InputError(self.source, None, None, "no such file")
+        if path.is_dir():
+            raise InputError(self.source, None, None, "is a directory, not a JSONL file")
+        self._path = path
+
+    def _lines(self) -> Iterator[bytes | str]:
+        if self._path is None:
+            yield from getattr(sys.stdin, "buffer", sys.stdin)
+            return
+        try:
+            stream = self._path.open("rb")
+        except OSError as e:
+            raise InputError(self.source, None, None, (e.strerror or str(e)).lower()) from None
+        with stream:
+            yield from stream
+
+    def __iter__(self) -> Iterator[PromptSpec]:
+        self.errors = []
+        self.count = 0
+        seen: dict[str, tuple[int, bool]] = {}  # id -> (line, was it a default id)
+        nonblank = 0
+        for lineno, raw in enumerate(self._lines(), 1):
+            try:
+                text = _decode(self.source, lineno, raw)
+            except InputError as err:
+                nonblank += 1
+                self._fail(err)
+                continue
+            if not text.strip():
+                continue
+            nonblank += 1
+            try:
+                spec = self._accept(text, lineno, seen)
+            except InputError as err:
+                self._fail(err)
+                continue
+            self.count += 1
+            yield spec
+        if self.count == 0:
+            if nonblank == 0:
+                raise InputError(self.source, None, None, "contains no prompts")
+            n = len(self.errors)
+            raise InputError(
+                self.source,
+                None,
+                None,
+                f"contains no valid prompts ({n} invalid line{'s' if n != 1 else ''} skipped; "
+                f"first: {self.errors[0]})",
+            )
+
+    def _accept(self, text: str, lineno: int, seen: dict[str, tuple[int, bool]]) -> PromptSpec:
+        req, rid, id_key = _parse(self.source, lineno, text)
+        index = self.count
+        spec_id = str(index) if rid is None else rid
+        if spec_id in seen:
+            other, other_default = seen[spec_id]
+            there = f"line {other}" + ("'s default id" if other_default else "")
+            if rid is None:
+                raise InputError(
+                    self.source,
+                    lineno,
+                    None,
+                    f"default id {_show(spec_id)} (the line's index) is already used by {there}; "
+                    f"give this line an explicit '{id_key}'",
+                )
+            raise InputError(
+                self.source, lineno, id_key, f"duplicate id {_show(spec_id)} (also used by {there})"
+            )
+        seen[spec_id] = (lineno, rid is None)
+        return PromptSpec(
+            id=spec_id,
+            line=lineno,
+            index=index,
+            text=req.text,
+            token_ids=req.token_ids,
+            messages=req.messages,
+            sampling=req.sampling,
+        )
+
+    def _fail(self, err: InputError) -> None:
+        if not self.skip_invalid:
+            raise err
+        self.errors.append(err)
+
+
+def _decode(source: str, lineno: int, raw: bytes | str) -> str:
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(
+                source, lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start + 1})"
+            ) from None
+    # A byte-order mark is legal at the start of a UTF-8 file and means nothing.
+    return raw.removeprefix("\ufeff") if lineno == 1 else raw
+
+
+def iter_prompts(source: str | os.PathLike[str], *, skip_invalid: bool = False) -> PromptReader:
+    """Prompts from a JSONL path or ``-`` (stdin), read lazily.
+
+    The returned reader is iterated for ``PromptSpec``s; with ``skip_invalid``
+    its ``errors`` list holds the lines that were skipped.
+    """
+    return PromptReader(source, skip_invalid=skip_invalid)
+
+
+def read_prompts(source: str | os.PathLike[str]) -> list[PromptSpec]:
+    """All prompts, validated up front; the first bad line raises ``InputError``."""
+    return list(PromptReader(source))
