@@ -82,7 +82,7 @@ def test_inspect_json_agrees_with_the_file(demo_trace):
     with h5py.File(demo_trace, "r") as f:
         rows = f["routed_experts"][:]
     assert info["requests"] == 4 and info["rows"] == rows.shape[0]
-    for i, layer in enumerate(info["layers"]):
+    for i, layer in enumerate(info["layer_load"]):
         counts = np.bincount(rows[:, i, :].ravel(), minlength=16)
         assert layer["max"] == counts.max() and layer["min"] == counts.min()
 

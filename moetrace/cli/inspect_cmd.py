@@ -40,7 +40,7 @@ def inspect_command(
     ]
     if as_json:
         typer.echo(
-            json.dumps({"trace": str(trace_path), **info, "layers": per_layer}, default=_plain)
+            json.dumps({"trace": str(trace_path), **info, "layer_load": per_layer}, default=_plain)
         )
         return
     console = Console()
