@@ -17,6 +17,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0  # KV budget when running on the CPU
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: no decode graphs
+    use_kernels: bool = True  # CUDA: Triton attention and fused MoE (False: plain torch)
+    capture_ring_size: int = 2  # pinned host slots for routing rows in flight
 
     def validate(self) -> None:
         from moetrace.errors import MoetraceError

@@ -11,6 +11,7 @@ import torch
 from moetrace.capture.manager import RoutedExpertsCache, RoutedExpertsManager
 from moetrace.config import EngineConfig
 from moetrace.engine.block_manager import BlockManager
+from moetrace.engine.memory import plan_num_blocks
 from moetrace.engine.model_runner import ModelRunner
 from moetrace.engine.outputs import FinishedRequest
 from moetrace.engine.request import Request, RequestStatus
@@ -38,28 +39,6 @@ class EngineStats:
     preemptions: int = 0
 
 
-def kv_bytes_per_block(model: MoEForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    item = torch.empty(0, dtype=dtype).element_size()
-    return sum(
-        2 * block_size * a.num_kv_heads * a.head_dim * item for a in model.attention_layers()
-    )
-
-
-def default_num_blocks(
-    model: MoEForCausalLM, config: EngineConfig, max_model_len: int, device: torch.device
-) -> int:
-    dtype = next(model.parameters()).dtype
-    per_block = kv_bytes_per_block(model, config.block_size, dtype)
-    blocks_for_all = config.max_num_seqs * -(-max_model_len // config.block_size)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        activations = config.max_num_batched_tokens * model.vocab_size * 4 * 2
-        budget = int(free * config.gpu_memory_utilization) - activations
-    else:
-        budget = int(config.cpu_kv_cache_gib * (1 << 30))
-    return max(1, min(blocks_for_all, budget // per_block))
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -75,8 +54,8 @@ class LLMEngine:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
-        num_blocks = config.num_kv_blocks or default_num_blocks(
-            model, config, self.max_model_len, device
+        num_blocks = config.num_kv_blocks or plan_num_blocks(
+            model, config, device, self.max_model_len
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -100,7 +79,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             before_free=self._before_free,
         )
-        self.runner = ModelRunner(model, config, num_blocks, device)
+        self.runner = ModelRunner(
+            model, config, num_blocks, device, max_model_len=self.max_model_len
+        )
+        self.runner.capture_graphs()
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
 

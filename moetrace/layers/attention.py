@@ -99,6 +99,13 @@ class PagedAttention(nn.Module):
         self.sinks: torch.Tensor | None = None
         self.use_triton = False  # set by the model runner when the kernels serve this layer
 
+    @property
+    def kernel_capable(self) -> bool:
+        return self.sinks is None
+
+    def kv_cache_shape(self) -> tuple[int, int]:
+        return self.num_kv_heads, self.head_dim
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H, D]."""
         meta = get_attention_metadata()

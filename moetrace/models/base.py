@@ -59,8 +59,3 @@ class MoEForCausalLM(nn.Module):
     def set_capturer(self, capturer: RoutingCapturer | None) -> None:
         for block in self.moe_blocks():
             block.capturer = capturer
-
-    def kv_cache_shape(self) -> tuple[int, int]:
-        """(num_kv_heads, head_dim) of each attention layer's cache."""
-        layer = next(self.attention_layers())
-        return layer.num_kv_heads, layer.head_dim

@@ -1,0 +1,265 @@
+"""Output tokens/s of moetrace (capture on and off) and transformers, side by side on one GPU.
+
+Same random prompts for every engine, greedy, EOS ignored so every request
+generates exactly ``--output-len`` tokens.  Weights are random (``dummy``) in
+the shapes of real checkpoints (``benchmarks/configs/*.json``).
+
+    python benchmarks/throughput.py --config qwen3-30b-a3b --config olmoe-1b-7b
+
+Prints a table and writes the figures as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moetrace.config import EngineConfig
+from moetrace.engine.llm_engine import LLMEngine
+from moetrace.engine.sampling import SamplingParams
+from moetrace.models.loader import load_model
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, vocab - 100, size=(count, length)).tolist()
+
+
+def hbm_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate, bytes read plus written per second."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def make_engine(model, capture: bool, args, num_blocks: int) -> LLMEngine:
+    config = EngineConfig(
+        capture_routing=capture,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=num_blocks,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+    )
+    return LLMEngine(model, config, torch.device("cuda"))
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params, index=i)
+    finished = list(engine.run())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(f.output_len for f in finished)
+    assert out_tokens == len(prompts) * output_len
+    return {"seconds": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed}
+
+
+def decode_step_profile(engine: LLMEngine, model, batch: int) -> dict:
+    """Device time of one graph-replayed decode step at ``batch``, and the bytes it must read."""
+    graphs = engine.runner.graphs
+    if graphs is None or batch not in graphs.graphs:
+        return {}
+    graph = graphs.graphs[batch]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    step_s = start.elapsed_time(end) / 1e3 / 20
+    touched = 0
+    item = next(model.parameters()).element_size()
+    routed = engine.runner.capturer.buffer[:batch].cpu().numpy() if engine.runner.capturer else None
+    for name, param in model.named_parameters():
+        if name.endswith("experts.w13") or name.endswith("experts.w2"):
+            continue
+        if "embed_tokens" in name:
+            touched += batch * param.shape[1] * item
+            continue
+        touched += param.numel() * item
+    for block in model.moe_blocks():
+        per_expert = (block.experts.w13[0].numel() + block.experts.w2[0].numel()) * item
+        used = (
+            len(np.unique(routed[:, block.moe_index]))
+            if routed is not None
+            else block.experts.num_experts
+        )
+        touched += used * per_expert
+    seq_lens = graphs.dev_i32[:batch].cpu().numpy()
+    kv_per_token = sum(2 * a.num_kv_heads * a.head_dim * item for a in model.attention_layers())
+    kv_bytes = int(seq_lens.sum()) * kv_per_token
+    return {"step_ms": step_s * 1e3, "weight_bytes": touched, "kv_bytes": kv_bytes}
+
+
+def bench_moetrace(name: str, config: dict, prompts, args, results: dict) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        loaded = load_model(tmp, device=torch.device("cuda"), dtype="bfloat16", load_format="dummy")
+    model = loaded.model
+    tokens_per_seq = args.prompt_len + args.output_len
+    num_blocks = args.max_num_seqs * -(-tokens_per_seq // 16) + 64
+    t0 = time.perf_counter()
+    engines = {"capture": make_engine(model, True, args, num_blocks)}
+    engines["no-capture"] = make_engine(model, False, args, num_blocks)
+    setup_s = time.perf_counter() - t0
+    warm = prompts[: min(8, len(prompts))]
+    for engine in engines.values():
+        run_batch(engine, warm, 4)
+    runs: dict[str, list[float]] = {"capture": [], "no-capture": []}
+    for _ in range(args.repeats):
+        for mode, engine in engines.items():
+            runs[mode].append(run_batch(engine, prompts, args.output_len)["tok_s"])
+            print(f"[{name}] moetrace {mode}: {runs[mode][-1]:,.0f} tok/s", flush=True)
+    results["moetrace"] = {m: {"runs": r, "median": statistics.median(r)} for m, r in runs.items()}
+    results["engine_setup_s"] = setup_s
+    batch = min(args.max_num_seqs, len(prompts))
+    results["decode_profile"] = decode_step_profile(engines["capture"], model, batch)
+    del engines, model, loaded
+    torch.cuda.empty_cache()
+
+
+def bench_transformers(name: str, config: dict, prompts, args, results: dict) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    gen = GenerationConfig(
+        max_new_tokens=args.output_len, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    if "generate_batch" in args.hf:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=gen)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.generated_tokens) for o in out.values())
+        results["hf_generate_batch"] = {
+            "seconds": elapsed,
+            "output_tokens": produced,
+            "tok_s": produced / elapsed,
+        }
+        print(f"[{name}] transformers generate_batch: {produced / elapsed:,.0f} tok/s", flush=True)
+    if "generate" in args.hf:
+        subset = prompts[: args.hf_generate_prompts]
+        total, elapsed = 0, 0.0
+        for lo in range(0, len(subset), args.hf_generate_batch):
+            ids = torch.tensor(subset[lo : lo + args.hf_generate_batch], device="cuda")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+            torch.cuda.synchronize()
+            elapsed += time.perf_counter() - start
+            total += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        results["hf_generate"] = {
+            "seconds": elapsed,
+            "output_tokens": total,
+            "tok_s": total / elapsed,
+            "prompts": len(subset),
+            "batch": args.hf_generate_batch,
+        }
+        print(f"[{name}] transformers generate: {total / elapsed:,.0f} tok/s", flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--config", action="append", help="name under benchmarks/configs (repeatable)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--hf", default="generate_batch,generate", help="transformers paths to run ('' for none)"
+    )
+    parser.add_argument(
+        "--hf-generate-prompts", type=int, default=64, help="prompts for plain generate"
+    )
+    parser.add_argument("--hf-generate-batch", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.hf = [x for x in args.hf.split(",") if x]
+    names = args.config or ["olmoe-1b-7b", "qwen3-30b-a3b"]
+    import transformers
+
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hbm_bytes_per_s": hbm_bandwidth(torch.device("cuda")),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+    }
+    print(
+        f"# {env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"HBM copy {env['hbm_bytes_per_s'] / 1e12:.2f} TB/s",
+        flush=True,
+    )
+    all_results = {"env": env, "configs": {}}
+    for name in names:
+        config = json.loads((CONFIGS / f"{name}.json").read_text())
+        prompts = random_prompts(args.num_prompts, args.prompt_len, config["vocab_size"], seed=0)
+        results: dict = {}
+        bench_moetrace(name, config, prompts, args, results)
+        if args.hf:
+            bench_transformers(name, config, prompts, args, results)
+        all_results["configs"][name] = results
+        if args.out:
+            args.out.write_text(json.dumps(all_results, indent=2))
+    print_table(all_results, env["hbm_bytes_per_s"])
+
+
+def print_table(all_results: dict, hbm: float) -> None:
+    print(
+        "\n| config | moetrace capture | moetrace no capture | capture on/off | HF generate_batch | HF generate | vs generate_batch | decode step @B | at HBM bound |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in all_results["configs"].items():
+        on = r["moetrace"]["capture"]["median"]
+        off = r["moetrace"]["no-capture"]["median"]
+        hb = r.get("hf_generate_batch", {}).get("tok_s")
+        hg = r.get("hf_generate", {}).get("tok_s")
+        prof = r.get("decode_profile") or {}
+        bound_ms = (
+            (prof.get("weight_bytes", 0) + prof.get("kv_bytes", 0)) / hbm * 1e3 if prof else None
+        )
+        print(
+            f"| {name} | {on:,.0f} | {off:,.0f} | {on / off:.3f} | "
+            f"{f'{hb:,.0f}' if hb else '-'} | {f'{hg:,.0f}' if hg else '-'} | "
+            f"{f'{on / hb:.1f}x' if hb else '-'} | "
+            f"{prof.get('step_ms', float('nan')):.2f} ms | {bound_ms if bound_ms else float('nan'):.2f} ms |"
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Parity of moetrace's recorded routing with transformers, shared by every family's tests.
+
+A tiny random checkpoint is written by transformers' own ``save_pretrained``;
+moetrace records prompts through it; transformers' router modules, hooked on
+the same token sequence, give the reference ids.  Both in float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from hf_reference import reference_greedy, reference_routing
+
+from moetrace.config import EngineConfig
+from moetrace.engine.llm_engine import LLMEngine
+from moetrace.engine.sampling import SamplingParams
+from moetrace.models.loader import load_model
+
+
+def record(checkpoint: Path, prompts: dict[str, list[int]], max_tokens: int, **engine) -> dict:
+    loaded = load_model(str(checkpoint), device=torch.device("cpu"), dtype="float32")
+    config = EngineConfig(**{"num_kv_blocks": 128, "block_size": 4, **engine})
+    eng = LLMEngine(loaded.model, config, torch.device("cpu"))
+    for i, (rid, ids) in enumerate(prompts.items()):
+        eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), index=i)
+    done = {f.request_id: f for f in eng.run()}
+    eng.block_manager.check_no_leaks()
+    return {"model": loaded.model, "done": done}
+
+
+def assert_parity(
+    checkpoint: Path, prompts: dict[str, list[int]], max_tokens: int = 6, **engine
+) -> None:
+    """Recorded ids equal the reference routers' ids token by token; greedy tokens match."""
+    got = record(checkpoint, prompts, max_tokens, **engine)
+    model, done = got["model"], got["done"]
+    for rid, prompt in prompts.items():
+        finished = done[rid]
+        expected_tokens = reference_greedy(checkpoint, prompt, max_tokens)
+        assert finished.output_token_ids.tolist() == expected_tokens, f"{rid}: greedy tokens differ"
+        sequence = prompt + finished.output_token_ids.tolist()[:-1]
+        ref = reference_routing(checkpoint, sequence)
+        assert ref["moe_layer_indices"] == model.moe_layer_indices
+        assert finished.routed_experts.shape == ref["topk_ids"].shape
+        mismatch = np.argwhere(finished.routed_experts != ref["topk_ids"])
+        assert mismatch.size == 0, (
+            f"{rid}: first mismatch (token, layer, rank) {mismatch[0].tolist()}"
+        )
