@@ -20,6 +20,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs
     use_kernels: bool = True  # CUDA: Triton attention and fused MoE (False: plain torch)
     capture_ring_size: int = 2  # pinned host slots for routing rows in flight
+    async_scheduling: bool | None = None  # None: on for CUDA (schedule step N+1 while N runs)
 
     def validate(self) -> None:
         from moetrace.errors import MoetraceError

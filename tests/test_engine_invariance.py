@@ -38,6 +38,10 @@ SETTINGS = {
     "block-size-16": dict(block_size=16, num_kv_blocks=64),
     "kv-pressure": dict(num_kv_blocks=12, max_num_seqs=8, max_num_batched_tokens=16),
     "kv-pressure-prefix": dict(num_kv_blocks=12, max_num_seqs=8, enable_prefix_caching=True),
+    "async": dict(async_scheduling=True, max_num_seqs=4, max_num_batched_tokens=16),
+    "async-kv-pressure": dict(
+        async_scheduling=True, num_kv_blocks=12, max_num_seqs=8, enable_prefix_caching=True
+    ),
 }
 
 

@@ -88,6 +88,16 @@ def test_graph_replay_equals_eager(dtype):
     assert_same(eager, graph)
 
 
+def test_async_scheduling_equals_sync():
+    model = gpu_model(torch.bfloat16)
+    prompts = shared_prefix_prompts(seed=9, count=16)
+    sync = run(model, prompts, async_scheduling=False, max_num_seqs=16)
+    overlapped = run(model, prompts, async_scheduling=True, max_num_seqs=16)
+    assert_same(sync, overlapped)
+    pressured = run(model, prompts, async_scheduling=True, max_num_seqs=16, num_kv_blocks=6)
+    assert set(pressured) == set(prompts)
+
+
 def test_capture_ring_size_does_not_change_the_trace():
     model = gpu_model(torch.bfloat16)
     prompts = shared_prefix_prompts(seed=8, count=16)

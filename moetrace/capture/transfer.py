@@ -4,7 +4,7 @@ On CUDA the copy runs on its own stream, which waits on the compute stream
 through an event, into a pinned ring slot; the host waits only on the copy's
 event, and only when the scheduler stores the rows.  One ring slot per step in
 flight, so a slot is never overwritten before its rows were stored.  On the CPU
-the "copy" is a view, as the rows are already in host memory.
+it is a plain copy.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class RoutingTransfer:
         """Begin the copy of one step's rows; returns host views valid after ``wait()``."""
         n = tensors.num_tokens
         if not self._cuda:
-            return RoutedExpertsLists(tensors.routing.numpy(), slots, slot_epochs, _no_wait)
+            # A copy: the next step may overwrite the buffer before these rows are stored.
+            return RoutedExpertsLists(tensors.routing.numpy().copy(), slots, slot_epochs, _no_wait)
         slot = self._next
         self._next = (self._next + 1) % self.ring_size
         host = self._ring[slot]

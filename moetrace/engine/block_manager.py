@@ -107,11 +107,16 @@ class BlockManager:
             request.block_table.append(self._take_free_block())
         return True
 
-    def register_computed_blocks(self, request: Request) -> None:
-        """Make ``request``'s full, fully computed blocks findable by later requests."""
+    def register_computed_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Make ``request``'s full blocks among its first ``num_tokens`` findable by later requests.
+
+        ``num_tokens`` counts tokens that are both known and computed (default:
+        ``num_computed_tokens``).
+        """
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        known = request.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = known // self.block_size
         bs = self.block_size
         for i, h in enumerate(self._full_block_hashes(request, num_full)):
             block = request.block_table[i]

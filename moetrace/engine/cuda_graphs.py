@@ -100,7 +100,7 @@ class DecodeGraphs:
             self.graphs[batch] = graph
         torch.cuda.synchronize()
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         n = plan.num_tokens
         batch = next(s for s in self.sizes if s >= n)
         b = self.max_batch
@@ -123,5 +123,7 @@ class DecodeGraphs:
         self.dev_i32[:batch].copy_(self.host_i32[:batch], non_blocking=True)
         self.dev_i32[b : b + rows].copy_(self.host_i32[b : b + rows], non_blocking=True)
         self.copied.record()
+        if fill is not None:
+            self.dev_i64[0].index_copy_(0, *fill)
         self.graphs[batch].replay()
         return self.logits[batch][:n]

@@ -12,7 +12,7 @@ from moetrace.capture.manager import RoutedExpertsCache, RoutedExpertsManager
 from moetrace.config import EngineConfig
 from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
-from moetrace.engine.model_runner import ModelRunner
+from moetrace.engine.model_runner import LaunchedStep, ModelRunner
 from moetrace.engine.outputs import FinishedRequest
 from moetrace.engine.request import Request, RequestStatus
 from moetrace.engine.sampling import SamplingParams
@@ -34,7 +34,6 @@ class RequestRejected(MoetraceError):
 @dataclass
 class EngineStats:
     steps: int = 0
-    prompt_tokens_computed: int = 0
     output_tokens: int = 0
     preemptions: int = 0
 
@@ -85,6 +84,10 @@ class LLMEngine:
         self.runner.capture_graphs()
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
+        self.async_scheduling = (
+            device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        )
+        self._in_flight: LaunchedStep | None = None
 
     # --------------------------------------------------------------- requests
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -134,43 +137,58 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
 
     def abort(self, request_ids: Iterable[str]) -> list[FinishedRequest]:
+        finished = self._drain()
         aborted = self.scheduler.abort(set(request_ids))
-        return [self._finish(r) for r in aborted]
+        return finished + [self._finish(r) for r in aborted]
 
     # --------------------------------------------------------------- stepping
     def _before_free(self, request: Request) -> None:
         if self.routing_cache is not None:
             self.routing_cache.capture(request)
 
+    def _complete(self, step: LaunchedStep) -> list[FinishedRequest]:
+        """Wait for a launched step, store its routing rows, advance its requests."""
+        sampled = step.finish()
+        if step.routing is not None and self.routing_manager is not None:
+            self.routing_manager.store_batch(step.routing)
+        finished = self.scheduler.update(step.output, sampled)
+        self.stats.steps += 1
+        self.stats.output_tokens += len(sampled)
+        return [self._finish(r) for r in finished]
+
+    def _drain(self) -> list[FinishedRequest]:
+        step, self._in_flight = self._in_flight, None
+        return [] if step is None else self._complete(step)
+
     def step(self) -> list[FinishedRequest]:
+        """Run one step.  With asynchronous scheduling the step launched here completes
+        at the next call, while this call completes the one launched before."""
+        finished: list[FinishedRequest] = []
+        if self._in_flight is not None and self.scheduler.needs_preemption():
+            finished = self._drain()  # preemption needs every token known on the host
         output = self.scheduler.schedule()
         self.stats.preemptions += len(output.preempted)
-        if not output:
-            if self.scheduler.has_work():
-                raise CapacityError(
-                    f"no request fits in the KV cache ({self.block_manager.num_blocks} blocks of "
-                    f"{self.config.block_size}); raise --num-kv-blocks"
-                )
-            return []
-        result = self.runner.execute(output, self.block_manager.epochs)
-        if result.routing is not None and self.routing_manager is not None:
-            self.routing_manager.store_batch(result.routing)
-        finished = self.scheduler.update(output, result.sampled)
-        self.stats.steps += 1
-        self.stats.output_tokens += len(result.sampled)
-        self.stats.prompt_tokens_computed += sum(
-            s.num_new_tokens
-            for s in output.scheduled
-            if s.num_computed_before < s.request.num_prompt_tokens
-        )
-        return [self._finish(r) for r in finished]
+        launched = None
+        if output:
+            launched = self.runner.launch(output, self.block_manager.epochs, self._in_flight)
+        finished += self._drain()
+        if launched is None and self.scheduler.has_work() and not finished and not output.preempted:
+            raise CapacityError(
+                f"no request fits in the KV cache ({self.block_manager.num_blocks} blocks of "
+                f"{self.config.block_size}); raise --num-kv-blocks"
+            )
+        if self.async_scheduling:
+            self._in_flight = launched
+        elif launched is not None:
+            finished += self._complete(launched)
+        return finished
 
     def _finish(self, request: Request) -> FinishedRequest:
         self._requests.pop(request.request_id, None)

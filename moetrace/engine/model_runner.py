@@ -26,9 +26,23 @@ from moetrace.models.base import MoEForCausalLM
 
 
 @dataclass
-class StepResult:
-    sampled: dict[str, int]
+class LaunchedStep:
+    """A step queued on the device; ``finish`` waits for it and returns what it sampled."""
+
+    output: SchedulerOutput
+    plan: StepPlan
     routing: RoutedExpertsLists | None
+    sampled_device: torch.Tensor | None  # int64 [S], rows in plan.sampling_requests order
+    sampled_host: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+    def finish(self) -> dict[str, int]:
+        if self.sampled_host is None:
+            return {}
+        if self.done is not None:
+            self.done.synchronize()
+        ids = [r.request_id for r in self.plan.sampling_requests]
+        return dict(zip(ids, self.sampled_host.tolist(), strict=True))
 
 
 def request_seed(global_seed: int, index: int) -> int:
@@ -100,26 +114,52 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, block_epochs: np.ndarray) -> StepResult:
+    def launch(
+        self, output: SchedulerOutput, block_epochs: np.ndarray, previous: LaunchedStep | None
+    ) -> LaunchedStep:
+        """Queue one step; tokens still being sampled by ``previous`` are read on the device."""
         plan = build_plan(output, self.block_size)
         slot_epochs = block_epochs[plan.slots // self.block_size]
+        fill = self._placeholder_fill(plan, previous)
         if self.transfer is not None:
             self.transfer.fence_before_forward()
         if self.graphs is not None and self.graphs.fits(plan):
-            logits = self.graphs.run(plan)
+            logits = self.graphs.run(plan, fill)
         else:
-            logits = self._run_eager(plan)
+            logits = self._run_eager(plan, fill)
         routing = None
         if self.capturer is not None and self.transfer is not None:
             routing = self.transfer.start(
                 self.capturer.tensors(plan.num_tokens), plan.slots, slot_epochs
             )
-        sampled: dict[str, int] = {}
+        sampled_device = sampled_host = done = None
         if plan.sampling_requests:
-            tokens = sample(logits, self._sampling_batch(plan)).tolist()
-            ids = [r.request_id for r in plan.sampling_requests]
-            sampled = dict(zip(ids, tokens, strict=True))
-        return StepResult(sampled, routing)
+            sampled_device = sample(logits, self._sampling_batch(plan))
+            if self.device.type == "cuda":
+                sampled_host = torch.empty(sampled_device.shape, dtype=torch.int64, pin_memory=True)
+                sampled_host.copy_(sampled_device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            else:
+                sampled_host = sampled_device
+        return LaunchedStep(output, plan, routing, sampled_device, sampled_host, done)
+
+    def _placeholder_fill(
+        self, plan: StepPlan, previous: LaunchedStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token positions in this step, rows of the previous step's samples) to copy on device."""
+        missing = np.flatnonzero(plan.input_ids < 0)
+        if missing.size == 0:
+            return None
+        if previous is None or previous.sampled_device is None:
+            raise RuntimeError("a step needs tokens that no step in flight is sampling")
+        row_of = {r.request_id: i for i, r in enumerate(previous.plan.sampling_requests)}
+        seq_of_token = np.searchsorted(plan.query_start, missing, side="right") - 1
+        owners = [plan.requests[s].request_id for s in seq_of_token]
+        src = torch.tensor([row_of[o] for o in owners], dtype=torch.int64)
+        dst = torch.from_numpy(missing)
+        dev = self.device
+        return dst.to(dev, non_blocking=True), previous.sampled_device.index_select(0, src.to(dev))
 
     def metadata(self, plan: StepPlan) -> AttentionMetadata:
         dev = self.device
@@ -135,9 +175,13 @@ class ModelRunner:
             seq_lens_host=plan.seq_lens.tolist(),
         )
 
-    def _run_eager(self, plan: StepPlan) -> torch.Tensor:
+    def _run_eager(
+        self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         meta = self.metadata(plan)
         input_ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
+        if fill is not None:
+            input_ids.index_copy_(0, *fill)
         positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
@@ -166,7 +210,9 @@ class ModelRunner:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
             seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-            positions=torch.tensor([r.num_tokens for r in requests], dtype=torch.int64, device=dev),
+            positions=torch.tensor(
+                [r.num_scheduled_tokens - 1 for r in requests], dtype=torch.int64, device=dev
+            ),
             all_greedy=False,
             any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
             any_top_p=any(p.top_p < 1 and not p.greedy for p in params),

@@ -52,6 +52,8 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still on the device: scheduled, not yet known on the host.
+        self.num_placeholders = 0
         self.num_cached_tokens = (
             -1
         )  # prompt tokens served by the prefix cache, set on first schedule
@@ -62,6 +64,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens including those still being sampled on the device."""
+        return len(self.token_ids) + self.num_placeholders
+
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Its final token is already being sampled: nothing more to schedule."""
+        return self.num_output_tokens + self.num_placeholders >= self.sampling.max_tokens
 
     @property
     def num_output_tokens(self) -> int:

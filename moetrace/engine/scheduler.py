@@ -1,11 +1,17 @@
 """Continuous batching: which requests run how many tokens in the next step.
 
 One rule covers prefill, chunked prefill and decode: a scheduled request runs
-its next ``min(num_tokens - num_computed_tokens, budget)`` tokens.  Running
+its next ``min(tokens - num_computed_tokens, budget)`` tokens.  Running
 requests go first, in arrival order; then waiting ones, while the token budget,
 the sequence limit and free KV blocks allow.  When a running request cannot get
 a block, the most recently admitted running request is preempted: its blocks
 are freed and it later recomputes from its tokens.
+
+``schedule`` advances ``num_computed_tokens`` at once and counts a placeholder
+for each token a step will sample, so the next step can be scheduled while
+this one still runs on the device (asynchronous scheduling); ``update`` fills
+the placeholders in when the sampled tokens arrive.  Preemption happens only
+when nothing is in flight: the engine drains first (``needs_preemption``).
 
 Before any request's blocks are freed (finish, abort, preemption) the
 ``before_free`` callback runs, so the routing rows in those blocks can be saved
@@ -27,11 +33,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_computed_before: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step runs the request's last known token, so it yields a new one."""
-        return self.num_computed_before + self.num_new_tokens == self.request.num_tokens
+    samples: bool  # this step runs the request's last known token, so it yields a new one
 
 
 @dataclass
@@ -72,18 +74,43 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ----------------------------------------------------------------- schedule
+    def _wants(self, request: Request) -> int:
+        if request.awaiting_last_token:
+            return 0
+        return request.num_scheduled_tokens - request.num_computed_tokens
+
+    def needs_preemption(self) -> bool:
+        """Whether the running requests' next tokens need more blocks than are free."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        need = 0
+        for request in self.running:
+            n = min(self._wants(request), budget)
+            budget -= n
+            need += bm.blocks_needed(request, request.num_computed_tokens + n)
+        return need > bm.num_free_blocks
+
+    def _admit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        before = request.num_computed_tokens
+        samples = before + num_new == request.num_scheduled_tokens
+        out.scheduled.append(ScheduledRequest(request, num_new, before, samples))
+        request.num_computed_tokens = before + num_new
+        if samples:
+            request.num_placeholders += 1
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
-        scheduled_running: list[Request] = []
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:  # preempted to make room earlier in this loop
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._wants(request), budget)
+            if num_new == 0:
+                continue
             while not bm.allocate(request, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -92,8 +119,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
-            scheduled_running.append(request)
+            self._admit(out, request, num_new)
             budget -= num_new
 
         while self.waiting and budget > 0 and not out.preempted:
@@ -111,11 +137,13 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
+            self._admit(out, request, num_new)
             budget -= num_new
         return out
 
     def _preempt(self, request: Request) -> None:
+        if request.num_placeholders:
+            raise RuntimeError("preempting a request with a step in flight; drain first")
         self.running.remove(request)
         self.before_free(request)
         self.block_manager.free(request)
@@ -126,27 +154,29 @@ class Scheduler:
 
     # ----------------------------------------------------------------- update
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests by the step's tokens; return those that finished.
+        """Fill in the tokens a finished step sampled; return the requests that ended.
 
-        ``sampled`` maps request id to the token sampled for each request whose
-        step ``samples``.
+        A request that ended at an earlier step may still appear here (the step
+        was scheduled before its end was known); its token is dropped.
         """
         finished: list[Request] = []
         for item in output.scheduled:
             request = item.request
+            if item.samples:
+                request.num_placeholders -= 1
             if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens = item.num_computed_before + item.num_new_tokens
-            self.block_manager.register_computed_blocks(request)
+                continue
             if item.samples:
                 request.append_token(sampled[request.request_id])
-                if request.check_stop():
-                    self._release(request)
-                    finished.append(request)
+            known = min(request.num_computed_tokens, request.num_tokens)
+            self.block_manager.register_computed_blocks(request, known)
+            if item.samples and request.check_stop():
+                self._release(request)
+                finished.append(request)
         return finished
 
     def abort(self, request_ids: set[str]) -> list[Request]:
-        """Stop these requests now; what they computed so far is kept."""
+        """Stop these requests now (call with nothing in flight); what they computed is kept."""
         aborted: list[Request] = []
         for request in [r for r in self.running if r.request_id in request_ids]:
             request.status = RequestStatus.FINISHED_ABORTED

@@ -24,6 +24,7 @@ class StepPlan:
     block_tables: np.ndarray  # int32 [B, max_blocks]
     logits_rows: np.ndarray  # int64 [S]: packed index of each sampling request's last token
     sampling_requests: list[Request]
+    requests: list[Request]  # in batch order
     max_query_len: int
 
     @property
@@ -77,5 +78,6 @@ def build_plan(output: SchedulerOutput, block_size: int) -> StepPlan:
         block_tables=tables,
         logits_rows=query_start[1:][samples].astype(np.int64) - 1,
         sampling_requests=[scheduled[i].request for i in samples],
+        requests=[s.request for s in scheduled],
         max_query_len=int(counts.max()),
     )
