@@ -146,3 +146,36 @@ def test_bf16_routing_equals_transformers_router_teacher_forced(tmp_path):
             teacher.routed_experts[: len(seq), moe_index],
             err_msg=f"layer {layer}",
         )
+
+
+def test_forward_and_capture_never_sync_the_host():
+    """The model forward and the routing copy run with torch's sync checker set to raise."""
+    from moetrace.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    model = gpu_model(torch.bfloat16)
+    config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=8, enforce_eager=True)
+    eng = LLMEngine(model, config, CUDA)
+    requests = []
+    for i in range(4):
+        eng.add_request(f"r{i}", list(range(10 + i, 40 + i)), SamplingParams(max_tokens=4))
+    output = eng.scheduler.schedule()
+    requests = [s.request for s in output.scheduled]
+    assert len(requests) == 4 and isinstance(output.scheduled[0], ScheduledRequest)
+    plan_output = SchedulerOutput(output.scheduled)
+    from moetrace.engine.step_plan import build_plan
+
+    plan = build_plan(plan_output, 16)
+    ids, pos, meta, _rows = eng.runner.staged_inputs(plan)
+    torch.cuda.synchronize()
+    from moetrace.engine.context import forward_context
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode(), forward_context(meta):
+            model(ids, pos)
+        eng.runner.transfer.start(
+            eng.runner.capturer.tensors(plan.num_tokens), plan.slots, plan.slots * 0
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -111,6 +111,10 @@ class DecodeGraphs:
         host[0, :n] = plan.input_ids
         host[1, :n] = plan.positions
         host[2, :n] = plan.slots
+        # Padding rows: token 0 at position 0, writing to the scratch block.  Stale
+        # staging values (a placeholder's -1 from an earlier step) must not leak in.
+        host[0, n:batch] = 0
+        host[1, n:batch] = 0
         host[2, n:batch] = self.runner.scratch_block * self.runner.block_size
         host32 = self.host_i32.numpy()
         host32[:n] = plan.seq_lens

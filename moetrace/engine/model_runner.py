@@ -21,6 +21,7 @@ from moetrace.engine.context import AttentionMetadata, forward_context
 from moetrace.engine.cuda_graphs import DecodeGraphs
 from moetrace.engine.sampler import SamplingBatch, sample
 from moetrace.engine.scheduler import SchedulerOutput
+from moetrace.engine.staging import StagingRing
 from moetrace.engine.step_plan import StepPlan, build_plan
 from moetrace.models.base import MoEForCausalLM
 
@@ -72,6 +73,8 @@ class ModelRunner:
         # One block past those the block manager hands out: where padding rows write.
         self.scratch_block = num_blocks
         self._allocate_kv_cache(num_blocks + 1)
+        self.staging = StagingRing(4 * config.max_num_batched_tokens, device)
+        self.fill_staging = StagingRing(2 * config.max_num_seqs, device)
         num_moe = len(model.moe_layer_indices)
         self.capturer: RoutingCapturer | None = None
         self.transfer: RoutingTransfer | None = None
@@ -88,7 +91,9 @@ class ModelRunner:
             )
         model.set_capturer(self.capturer)
         self.graphs: DecodeGraphs | None = None
-        if self.use_kernels and not config.enforce_eager:
+        # The plain-torch attention reads host-side lengths, which a graph would freeze.
+        all_kernel = all(layer.use_triton for layer in model.attention_layers())
+        if self.use_kernels and all_kernel and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self, max_batch=min(config.max_num_seqs, config.max_num_batched_tokens)
             )
@@ -156,38 +161,48 @@ class ModelRunner:
         row_of = {r.request_id: i for i, r in enumerate(previous.plan.sampling_requests)}
         seq_of_token = np.searchsorted(plan.query_start, missing, side="right") - 1
         owners = [plan.requests[s].request_id for s in seq_of_token]
-        src = torch.tensor([row_of[o] for o in owners], dtype=torch.int64)
-        dst = torch.from_numpy(missing)
-        dev = self.device
-        return dst.to(dev, non_blocking=True), previous.sampled_device.index_select(0, src.to(dev))
+        src = np.asarray([row_of[o] for o in owners], dtype=np.int64)
+        dst, src_rows = self.fill_staging.stage([missing.astype(np.int64), src])
+        return dst, previous.sampled_device.index_select(0, src_rows)
 
-    def metadata(self, plan: StepPlan) -> AttentionMetadata:
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(plan.slots).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(plan.query_start).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(plan.seq_lens).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(plan.block_tables).to(dev, non_blocking=True),
+    def staged_inputs(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, attention metadata, logits rows) on the device, in one copy."""
+        ids, positions, slots, query_start, seq_lens, tables, rows = self.staging.stage(
+            [
+                plan.input_ids,
+                plan.positions,
+                plan.slots,
+                plan.query_start,
+                plan.seq_lens,
+                plan.block_tables,
+                plan.logits_rows,
+            ]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=query_start.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=tables.to(torch.int32),
             max_query_len=plan.max_query_len,
             max_seq_len=int(plan.seq_lens.max()),
             block_size=self.block_size,
             query_start_loc_host=plan.query_start.tolist(),
             seq_lens_host=plan.seq_lens.tolist(),
         )
+        return ids, positions, meta, rows
 
     def _run_eager(
         self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
-        meta = self.metadata(plan)
-        input_ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
+        input_ids, positions, meta, rows = self.staged_inputs(plan)
         if fill is not None:
             input_ids.index_copy_(0, *fill)
-        positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
         if not plan.sampling_requests:
             return hidden[:0]
-        rows = torch.from_numpy(plan.logits_rows).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])
 
     def _sampling_batch(self, plan: StepPlan) -> SamplingBatch:
