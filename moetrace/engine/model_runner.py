@@ -91,8 +91,8 @@ class ModelRunner:
             )
         model.set_capturer(self.capturer)
         self.graphs: DecodeGraphs | None = None
-        # The plain-torch attention reads host-side lengths, which a graph would freeze.
-        all_kernel = all(layer.use_triton for layer in model.attention_layers())
+        # The plain-torch paths read host-side lengths and counts, which a graph would freeze.
+        all_kernel = all(m.use_triton for m in model.modules() if hasattr(m, "use_triton"))
         if self.use_kernels and all_kernel and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self, max_batch=min(config.max_num_seqs, config.max_num_batched_tokens)
