@@ -23,6 +23,7 @@ from moetrace.engine.sampler import SamplingBatch, sample
 from moetrace.engine.scheduler import SchedulerOutput
 from moetrace.engine.staging import StagingRing
 from moetrace.engine.step_plan import StepPlan, build_plan
+from moetrace.layers.moe import MoEExperts
 from moetrace.models.base import MoEForCausalLM
 
 
@@ -99,9 +100,15 @@ class ModelRunner:
             )
 
     def _set_kernel_paths(self) -> None:
+        # The fused-MoE tiles are tuned and tested for 16-bit weights only; float32
+        # and float64 experts take the plain path (correct, slower, no graphs).
+        half = self.dtype in (torch.bfloat16, torch.float16)
         for module in self.model.modules():
             if hasattr(module, "use_triton"):
-                module.use_triton = self.use_kernels and getattr(module, "kernel_capable", True)
+                capable = getattr(module, "kernel_capable", True)
+                if isinstance(module, MoEExperts):
+                    capable = capable and half
+                module.use_triton = self.use_kernels and capable
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # A slot is read only after it was written, so the CPU cache need not be

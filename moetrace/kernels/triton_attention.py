@@ -1,0 +1,589 @@
+"""Triton kernels for the paged KV cache: writing new K/V and attention over it.
+
+One attention kernel serves every step kind: prefill of whole prompts, chunked
+prefill, prompts whose prefix came from the cache (``q_len < seq_len``) and
+decode (``q_len == 1``), all packed in one launch.  A program owns one tile of
+a sequence's queries and one KV head, with all the query heads that share that
+KV head stacked as rows of its tile (GQA packing): each K/V tile read from the
+cache serves ``group`` heads at once, which is what makes decode at large batch
+memory-efficient.  Decode batches too small to fill the GPU (sequences x KV
+heads < 4 x SMs) split each sequence's keys over 2 programs (flash-decoding)
+and merge the partial softmaxes in a second small kernel.
+
+Nothing here reads a device value on the host, and the grid depends only on
+tensor shapes and ``meta.max_query_len`` (a host int), so a decode step can be
+captured in a CUDA graph and replayed with new metadata copied in.
+
+Sliding window convention (checked against transformers' ``masking_utils``:
+``sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``): key
+``j`` is visible to the query at position ``p`` iff ``j <= p`` and
+``p - j < window``, so each query sees at most ``window`` keys, itself included.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from moetrace.engine.context import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, or on CPU tensors under the interpreter (tests)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------
+# KV store
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # Negative slots mark padding tokens (e.g. a CUDA graph's unused rows).
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h[:, None] < num_heads) & (d[None, :] < HEAD_DIM)
+        t64 = t.to(tl.int64)
+        k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        kc = (
+            k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+        )
+        vc = (
+            v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        )
+        tl.store(kc, k.to(kc.dtype.element_ty), mask=mask)
+        tl.store(vc, v.to(vc.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the step's new K/V (``[T, Hkv, D]``) into the paged caches at ``slot_mapping``.
+
+    One Triton program per token; tokens with a negative slot are skipped, so a
+    padded CUDA-graph batch can point its unused rows at slot -1.
+    """
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if not _use_triton(key):
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+        return
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    block_size = k_cache.shape[1]
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_heads * head_dim >= 1024 else 2,
+    )
+
+
+def store_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``index_copy_`` on the flattened caches: the CPU path and the benchmark's baseline.
+
+    Needs every slot valid (no -1 padding) and contiguous caches.
+    """
+    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend(
+    q,
+    acc,
+    m_i,
+    l_i,
+    lo,
+    hi,
+    pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    kv_head,
+    window,
+    scale_log2,
+    d,
+    d_ok,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax over keys [lo, hi).  MASKED=False: every key is visible to every row."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        if MASKED:
+            blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+        else:
+            blk = tl.load(bt_row + j // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        in_blk = j % BLOCK_SIZE
+        k_off = blk * stride_kb + in_blk * stride_ks + kv_head * stride_kh
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+            if USE_WINDOW:
+                visible = visible & (pos[:, None] - j[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no visible key yet keeps m = -inf; subtract 0
+            # instead so that exp2 gives 0, not NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = blk * stride_vb + in_blk * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    window,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    # The grid covers the longest query of the batch; shorter ones stop here.
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # keys already in the cache before this step's queries
+
+    # Row r of the tile is query (tile * BLOCK_Q + r // GROUP), head (kv_head * GROUP + r % GROUP).
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    pos = ctx_len + q_idx
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see: up to its last query's position; with a window,
+    # from its first query's oldest visible key.
+    first_pos = ctx_len + tile * BLOCK_Q
+    kv_hi = ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(first_pos - window + 1, 0)
+    if NUM_SPLITS > 1:
+        # Flash-decoding: this program takes one contiguous share of the keys.
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * chunk
+        kv_hi = tl.minimum(kv_lo + chunk, kv_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Keys up to the tile's first query position are visible to all its rows
+    # (without a window): whole BLOCK_N tiles of them skip the masking.
+    full_hi = kv_lo
+    if not USE_WINDOW:
+        full = tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0)
+        full_hi = kv_lo + full // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_lo,
+        full_hi,
+        pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row,
+        kv_head,
+        window,
+        scale_log2,
+        d,
+        d_ok,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        BLOCK_N,
+        BLOCK_SIZE,
+        False,
+        USE_WINDOW,
+        DOT_PRECISION,
+    )
+    acc, m_i, l_i = _attend(
+        q,
+        acc,
+        m_i,
+        l_i,
+        full_hi,
+        kv_hi,
+        pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row,
+        kv_head,
+        window,
+        scale_log2,
+        d,
+        d_ok,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        BLOCK_N,
+        BLOCK_SIZE,
+        True,
+        USE_WINDOW,
+        DOT_PRECISION,
+    )
+
+    if NUM_SPLITS > 1:
+        # Unnormalised partials [T, Hq, S, D] and (m, l) [T, Hq, S, 2]; _combine_kernel merges.
+        row = (tok * num_heads + head) * NUM_SPLITS + split
+        a_ptrs = part_acc_ptr + row[:, None] * BLOCK_D + d[None, :]
+        tl.store(a_ptrs, acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    else:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge the split-K partials of one (token, head): rescale each share to the common max."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    row = (tok * num_heads + head) * NUM_SPLITS + sp
+    m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0
+    )
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    l_tot = tl.sum(w * l_s, 0)
+    l_tot = tl.where(l_tot > 0.0, l_tot, 1.0)
+    out = tl.sum(acc * w[:, None], 0) / l_tot
+    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: behave like an H200
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
+    """Split-K factor for decode: 2 when (sequences x KV heads) < 4 x SMs, else 1.
+
+    Depends on the batch shape only, never on context lengths (device values),
+    so a captured decode graph stays valid for any lengths.  Measured on the
+    H200 at context 2048 (eager): Qwen3 shape B=32 68 -> 56 us, OLMoE B=32
+    175 -> 159 us with 2 splits; 4 and 8 splits were no better there (small
+    batches are launch-bound when timed eagerly; graph replay was not timed).
+    """
+    if max_query_len != 1:
+        return 1
+    return 2 if num_seqs * num_kv_heads < 4 * _num_sms(device) else 1
+
+
+def _attention_config(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the step kind.
+
+    Decode: the fewest rows a tensor-core dot takes (16) or one query's group
+    of heads.  Prefill: 64 rows.  From benchmarks/kernels.py on an H200: decode
+    at B=256 x 384 tokens, N64 w4 s2 within 3% of the best and of dense SDPA
+    (N32 up to 7% slower); prefill M64 N64 w4 s2 best for 16 x 512 new tokens
+    and for 4 x 1024 after 3072 cached (M128 variants 4-28% slower).
+    """
+    if max_query_len == 1:
+        block_m = max(16, triton.next_power_of_2(group))
+        return block_m, 64, 4, 2
+    block_m = max(64, triton.next_power_of_2(group))
+    return block_m, 64, 4, 2
+
+
+def _launch_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    num_splits: int = 1,
+) -> None:
+    """Launch with an explicit tile config (``paged_attention`` picks one; benchmarks sweep)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_q = block_m // group
+    block_d = triton.next_power_of_2(head_dim)
+    num_seqs = meta.seq_lens.shape[0]
+    grid = (triton.cdiv(meta.max_query_len, block_q), num_seqs, num_kv_heads * num_splits)
+    use_window = sliding_window is not None and sliding_window > 0
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(
+            (num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_ml,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale * _LOG2E,
+        int(sliding_window) if use_window else 0,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1],
+        NUM_SPLITS=num_splits,
+        USE_WINDOW=use_window,
+        # fp32 caches get exact fp32 dots (Triton's default for fp32 is tf32).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[(num_tokens, num_heads)](
+            part_acc,
+            part_ml,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d >= 128 else 2,
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the packed queries ``q [T, Hq, D]`` over the paged cache.
+
+    The step's own K/V must already be in the cache (``store_kv`` first).  GQA:
+    ``Hq`` must be a multiple of the cache's ``Hkv``.  Softmax runs in fp32
+    with online rescaling; the output has ``q``'s dtype (or ``out``'s).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if k_cache.shape[3] != head_dim or v_cache.shape[3] != head_dim:
+        raise ValueError("q and the KV cache disagree on head_dim")
+    if not _use_triton(q):
+        raise RuntimeError("paged_attention needs CUDA tensors (or TRITON_INTERPRET=1)")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or meta.max_query_len == 0:
+        return out
+    cfg = _attention_config(meta.max_query_len, num_heads // num_kv_heads, head_dim)
+    splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, meta.max_query_len, q.device)
+    _launch_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, *cfg, splits)
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    """The usual ``1 / sqrt(head_dim)`` softmax scale."""
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,515 @@
+"""Triton kernels (paged attention, KV store, fused MoE) against plain-torch references.
+
+Every test needs CUDA.  With ``TRITON_INTERPRET=1`` and no GPU they run on the
+CPU through Triton's interpreter at small sizes instead (slow, for developing
+the kernels); without either they skip.  References compute in fp64 (attention)
+or fp32 (MoE) from the same inputs, per sequence over random block tables.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from moetrace.engine.context import AttentionMetadata  # noqa: E402
+from moetrace.kernels import triton_attention  # noqa: E402
+from moetrace.kernels.triton_attention import (  # noqa: E402
+    paged_attention,
+    store_kv,
+)
+from moetrace.kernels.triton_moe import (  # noqa: E402
+    align_routing,
+    align_routing_torch,
+    fused_moe,
+    grouped_mm_available,
+    moe_forward,
+    moe_grouped_mm,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
+]
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a real CUDA device")
+# Triton 3.6's interpreter computes bf16 dots wrongly (it treats the bits as integers),
+# so interpreted runs check the same kernels in fp16; the GPU runs check bf16.
+BF16 = torch.float16 if INTERPRET else torch.bfloat16
+
+# ‖out − ref‖ / ‖ref‖ bounds (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    ref = ref.double()
+    assert torch.isfinite(out).all(), "non-finite values in the output (unwritten or NaN)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison_allocator() -> None:
+    """Fill freed CUDA cache blocks with NaN so that buffers a kernel forgets to write show up."""
+    if HAS_CUDA:
+        junk = torch.full((64 * 1024 * 1024,), float("nan"), device=DEVICE)
+        del junk
+
+
+# ---------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------
+
+
+class PagedBatch:
+    """A packed batch over a randomly assigned paged cache, with the dense K/V kept aside."""
+
+    def __init__(
+        self,
+        q_lens: list[int],
+        seq_lens: list[int],
+        num_kv_heads: int,
+        group: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        gen: torch.Generator,
+    ) -> None:
+        assert all(0 < q <= s for q, s in zip(q_lens, seq_lens, strict=True))
+        self.q_lens, self.seq_lens = q_lens, seq_lens
+        self.group, self.head_dim, self.dtype = group, head_dim, dtype
+        num_heads = num_kv_heads * group
+        blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+        max_blocks = max(blocks_per_seq) + 1
+        num_blocks = sum(blocks_per_seq) + 3
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(blocks_per_seq):
+            tables[b, :n] = torch.tensor(perm[used : used + n], dtype=torch.int32)
+            # Padding entries point at random blocks: the kernel must never follow them.
+            tables[b, n:] = torch.randint(0, num_blocks, (max_blocks - n,), generator=gen)
+            used += n
+        # Unwritten cache slots hold NaN: reading one poisons the output.
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.keys, self.values = [], []
+        slots, new_k, new_v = [], [], []
+        for b, (q_len, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            k = torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype)
+            v = torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype)
+            self.keys.append(k)
+            self.values.append(v)
+            pos = torch.arange(s)
+            slot = tables[b, pos // block_size].long() * block_size + pos % block_size
+            cached = s - q_len
+            # Prefix (already cached) written directly; the new tokens go through store_kv.
+            self.k_cache.view(-1, num_kv_heads, head_dim)[slot[:cached]] = k[:cached]
+            self.v_cache.view(-1, num_kv_heads, head_dim)[slot[:cached]] = v[:cached]
+            slots.append(slot[cached:])
+            new_k.append(k[cached:])
+            new_v.append(v[cached:])
+        total = sum(q_lens)
+        self.q = torch.randn(total, num_heads, head_dim, generator=gen).to(dtype)
+        self.new_k = torch.cat(new_k)
+        self.new_v = torch.cat(new_v)
+        qsl = [0]
+        for q_len in q_lens:
+            qsl.append(qsl[-1] + q_len)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(DEVICE),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            block_tables=tables.to(DEVICE),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+            query_start_loc_host=qsl,
+            seq_lens_host=list(seq_lens),
+        )
+        self.q = self.q.to(DEVICE)
+        self.new_k = self.new_k.to(DEVICE)
+        self.new_v = self.new_v.to(DEVICE)
+        self.k_cache = self.k_cache.to(DEVICE)
+        self.v_cache = self.v_cache.to(DEVICE)
+
+    def reference(self, scale: float, window: int | None) -> torch.Tensor:
+        """fp64 causal attention per sequence from the dense K/V."""
+        outs = []
+        start = 0
+        for b, (q_len, s) in enumerate(zip(self.q_lens, self.seq_lens, strict=True)):
+            q = self.q[start : start + q_len].cpu().double()  # [q, Hq, D]
+            k = self.keys[b].double().repeat_interleave(self.group, dim=1)  # [s, Hq, D]
+            v = self.values[b].double().repeat_interleave(self.group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+            pos = torch.arange(s - q_len, s)[:, None]
+            j = torch.arange(s)[None, :]
+            visible = j <= pos
+            if window is not None:
+                visible &= pos - j < window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+            start += q_len
+        return torch.cat(outs)
+
+
+def _check_attention(
+    q_lens: list[int],
+    seq_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    seed: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    batch = PagedBatch(q_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, gen)
+    store_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    # The stored rows are exactly the new K/V.
+    kc = batch.k_cache.view(-1, num_kv_heads, head_dim)
+    vc = batch.v_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(kc[batch.meta.slot_mapping], batch.new_k)
+    assert torch.equal(vc[batch.meta.slot_mapping], batch.new_v)
+
+    scale = head_dim**-0.5
+    out = torch.full_like(batch.q, float("nan"))
+    res = paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, sliding_window=window, out=out
+    )
+    assert res.data_ptr() == out.data_ptr()
+    ref = batch.reference(scale, window)
+    err = rel_err(out.cpu(), ref)
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+    # Without `out`: a fresh tensor, same values.
+    again = paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, sliding_window=window
+    )
+    assert torch.equal(again, out)
+
+
+if INTERPRET:
+    DECODE_CTX = [1, 5, 17, 40]
+    PREFILL = ([1, 9, 4, 1, 13], [30, 9, 20, 3, 13])
+else:
+    DECODE_CTX = [1, 17, 200, 384, 385, 1000, 2047, 64, 129, 511] * 4
+    PREFILL = (
+        [1, 300, 37, 1, 128, 1, 1000, 5],
+        [700, 300, 600, 2, 1100, 2048, 1000, 5],
+    )
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim", "block_size"),
+    [(4, 8, 128, 16), (2, 4, 64, 32), (16, 1, 128, 16), (3, 4, 128, 32), (2, 8, 64, 16)],
+)
+def test_decode(
+    dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, block_size: int
+) -> None:
+    seq_lens = DECODE_CTX
+    _check_attention(
+        [1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, block_size, dtype
+    )
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim", "block_size"),
+    [(4, 8, 128, 16), (2, 4, 64, 32), (4, 1, 128, 32), (2, 8, 64, 16)],
+)
+def test_mixed_prefill_decode_prefix_hits(
+    dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, block_size: int
+) -> None:
+    """Whole prompts, chunks after a cached prefix (q_len < seq_len) and decodes in one launch."""
+    q_lens, seq_lens = PREFILL
+    _check_attention(q_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=1)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 300])
+@pytest.mark.parametrize("decode", [True, False])
+def test_sliding_window(window: int, decode: bool) -> None:
+    q_lens, seq_lens = PREFILL
+    if decode:
+        seq_lens = DECODE_CTX
+        q_lens = [1] * len(seq_lens)
+    _check_attention(q_lens, seq_lens, 2, 4, 64, 16, BF16, window=window, seed=2)
+
+
+def test_fp32_cache() -> None:
+    q_lens, seq_lens = PREFILL
+    _check_attention(q_lens, seq_lens, 2, 2, 64, 16, torch.float32, seed=3)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_decode_split_k(window: int | None) -> None:
+    """Every split-K factor gives the reference result, including splits with no keys."""
+    gen = torch.Generator().manual_seed(12)
+    seq_lens = DECODE_CTX[:10]
+    batch = PagedBatch([1] * len(seq_lens), seq_lens, 2, 4, 64, 16, BF16, gen)
+    store_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    ref = batch.reference(0.125, window)
+    for splits in (1, 2, 3, 8):
+        out = torch.full_like(batch.q, float("nan"))
+        triton_attention._launch_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.meta,
+            0.125,
+            window,
+            out,
+            16,
+            32,
+            4,
+            2,
+            splits,
+        )
+        err = rel_err(out.cpu(), ref)
+        assert err < TOL[BF16], f"{splits} splits: relative error {err:.2e}"
+
+
+def test_store_kv_skips_negative_slots() -> None:
+    """Padding rows (slot -1) leave the cache untouched; strided (qkv-split) inputs work."""
+    gen = torch.Generator().manual_seed(4)
+    num_blocks, block_size, heads, dim = 6, 16, 2, 64
+    cache_k = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(DEVICE)
+    cache_v = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(DEVICE)
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    qkv = torch.randn(5, 3 * heads * dim, generator=gen).to(DEVICE)
+    k = qkv[:, heads * dim : 2 * heads * dim].view(5, heads, dim)
+    v = qkv[:, 2 * heads * dim :].view(5, heads, dim)
+    slots = torch.tensor([3, -1, 40, 95, -1], dtype=torch.int64, device=DEVICE)
+    store_kv(k, v, cache_k, cache_v, slots)
+    flat_k = cache_k.view(-1, heads, dim)
+    flat_v = cache_v.view(-1, heads, dim)
+    keep = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], k[i]) and torch.equal(flat_v[s], v[i])
+            keep[s] = False
+    assert torch.equal(flat_k[keep.to(DEVICE)], before_k.view(-1, heads, dim)[keep.to(DEVICE)])
+    assert torch.equal(flat_v[keep.to(DEVICE)], before_v.view(-1, heads, dim)[keep.to(DEVICE)])
+
+
+# ---------------------------------------------------------------------------
+# Fused MoE
+# ---------------------------------------------------------------------------
+
+
+def skewed_routing(
+    num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing with a Zipf-like skew where some experts get no token at all."""
+    live = max(top_k, num_experts // 2)
+    bias = torch.full((num_experts,), float("-inf"))
+    bias[:live] = -torch.log(torch.arange(1, live + 1, dtype=torch.float32)) * 2.0
+    bias = bias[torch.randperm(num_experts, generator=gen)]
+    logits = torch.randn(num_tokens, num_experts, generator=gen) + bias
+    vals, ids = logits.topk(top_k, dim=-1)
+    weights = vals.softmax(-1)
+    return weights.to(DEVICE), ids.to(torch.int32).to(DEVICE)
+
+
+def moe_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """fp32, one expert at a time."""
+    inter = w2.shape[2]
+    x = x.float()
+    out = torch.zeros_like(x)
+    ids = ids.long()
+    for e in range(w13.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w13[e].float().T
+        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        y = (a @ w2[e].float().T) * weights[tok, slot, None].float()
+        out.index_add_(0, tok, y)
+    return out
+
+
+def make_moe(
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = BF16
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    weights, ids = skewed_routing(num_tokens, num_experts, top_k, gen)
+    return x, w13.to(DEVICE), w2.to(DEVICE), weights, ids
+
+
+if INTERPRET:
+    MOE_TOKENS, MOE_EXPERTS, MOE_SHAPE = [1, 7, 33], [8], (64, 32)
+else:
+    MOE_TOKENS, MOE_EXPERTS, MOE_SHAPE = [1, 7, 256, 2048], [8, 64, 128], (512, 256)
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("num_experts", MOE_EXPERTS)
+@pytest.mark.parametrize("num_tokens", MOE_TOKENS)
+def test_fused_moe(num_tokens: int, num_experts: int, top_k: int) -> None:
+    hidden, inter = MOE_SHAPE
+    x, w13, w2, weights, ids = make_moe(
+        num_tokens, num_experts, top_k, hidden, inter, seed=num_tokens
+    )
+    ref = moe_reference(x, w13, w2, weights, ids)
+    poison_allocator()
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    err = rel_err(out, ref)
+    assert err < TOL[torch.bfloat16], f"fused_moe relative error {err:.2e}"
+    poison_allocator()
+    err = rel_err(moe_forward(x, w13, w2, weights, ids), ref)
+    assert err < TOL[torch.bfloat16], f"moe_forward relative error {err:.2e}"
+
+
+def test_fused_moe_uneven_sizes() -> None:
+    """H and I not multiples of the K tile; int64 ids."""
+    hidden, inter = (72, 40) if INTERPRET else (1000, 328)
+    x, w13, w2, weights, ids = make_moe(37, 8, 2, hidden, inter, seed=5)
+    ref = moe_reference(x, w13, w2, weights, ids)
+    poison_allocator()
+    err = rel_err(fused_moe(x, w13, w2, weights, ids.long()), ref)
+    assert err < TOL[torch.bfloat16], f"relative error {err:.2e}"
+
+
+def test_fused_moe_gelu_tanh() -> None:
+    hidden, inter = MOE_SHAPE
+    x, w13, w2, weights, ids = make_moe(19, 8, 2, hidden, inter, seed=6)
+    out = fused_moe(x, w13, w2, weights, ids, activation="gelu_tanh")
+    ref = torch.zeros(x.shape, dtype=torch.float32, device=DEVICE)
+    for e in range(8):
+        tok, slot = (ids.long() == e).nonzero(as_tuple=True)
+        h = x[tok].float() @ w13[e].float().T
+        a = torch.nn.functional.gelu(h[:, :inter], approximate="tanh") * h[:, inter:]
+        ref.index_add_(0, tok, (a @ w2[e].float().T) * weights[tok, slot, None])
+    err = rel_err(out, ref)
+    assert err < TOL[torch.bfloat16], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(50, 16, 4, 16), (300, 128, 8, 64), (1, 64, 8, 16)],
+)
+def test_align_routing(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    _, ids = skewed_routing(num_tokens, num_experts, top_k, gen)
+    routing = align_routing(ids, num_experts, block_m)
+    sorted_ids = routing.sorted_pair_ids.cpu()
+    experts = routing.block_expert_ids.cpu()
+    total = int(routing.num_rows_padded.item())
+    flat = ids.reshape(-1).cpu().long()
+    valid = sorted_ids[sorted_ids < flat.numel()]
+    assert sorted(valid.tolist()) == list(range(flat.numel()))  # every pair exactly once
+    assert total % block_m == 0 and (sorted_ids[total:] == flat.numel()).all()
+    for blk in range(total // block_m):
+        pairs = sorted_ids[blk * block_m : (blk + 1) * block_m]
+        pairs = pairs[pairs < flat.numel()]
+        assert pairs.numel() > 0 and (flat[pairs] == experts[blk]).all()
+    assert (experts[total // block_m :] == num_experts).all()
+    # Same layout as the torch version, up to the order inside each expert's group.
+    ref = align_routing_torch(ids, num_experts, block_m)
+    assert torch.equal(ref.block_expert_ids.cpu(), experts)
+    assert int(ref.num_rows_padded.item()) == total
+    ref_ids = ref.sorted_pair_ids.cpu()
+    for e in range(num_experts):
+        rows = (experts == e).repeat_interleave(block_m)
+        assert torch.equal(sorted_ids[rows].sort().values, ref_ids[rows].sort().values)
+
+
+@cuda_only
+@pytest.mark.skipif(not grouped_mm_available(), reason="no grouped_mm in this torch")
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 2048])
+def test_moe_grouped_mm(num_tokens: int) -> None:
+    x, w13, w2, weights, ids = make_moe(num_tokens, 64, 8, 512, 256, seed=8)
+    ref = moe_reference(x, w13, w2, weights, ids)
+    err = rel_err(moe_grouped_mm(x, w13, w2, weights, ids), ref)
+    assert err < TOL[torch.bfloat16], f"relative error {err:.2e}"
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs
+# ---------------------------------------------------------------------------
+
+
+@cuda_only
+def test_cuda_graph_decode_attention_and_moe() -> None:
+    """Capture store_kv + decode attention + fused MoE once, replay with new inputs."""
+    gen = torch.Generator().manual_seed(9)
+    num_kv_heads, group, head_dim, block_size = 4, 8, 128, 16
+    batch_a = PagedBatch([1] * 32, [300] * 32, num_kv_heads, group, head_dim, block_size,
+                         torch.bfloat16, gen)  # fmt: skip
+    seq_b = torch.randint(1, 300, (32,), generator=gen).tolist()
+    batch_b = PagedBatch([1] * 32, seq_b, num_kv_heads, group, head_dim, block_size,
+                         torch.bfloat16, gen)  # fmt: skip
+    # Same cache shapes: give both the larger block count.
+    assert batch_b.k_cache.shape[0] <= batch_a.k_cache.shape[0]
+    x_a, w13, w2, wts_a, ids_a = make_moe(32, 64, 8, 512, 256, seed=10)
+    x_b, _, _, wts_b, ids_b = make_moe(32, 64, 8, 512, 256, seed=11)
+
+    meta = batch_a.meta
+    k_cache, v_cache = batch_a.k_cache.clone(), batch_a.v_cache.clone()
+    static = {
+        "q": batch_a.q.clone(),
+        "k": batch_a.new_k.clone(),
+        "v": batch_a.new_v.clone(),
+        "x": x_a.clone(),
+        "wts": wts_a.clone(),
+        "ids": ids_a.clone(),
+    }
+    scale = head_dim**-0.5
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        store_kv(static["k"], static["v"], k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(static["q"], k_cache, v_cache, meta, scale)
+        moe = fused_moe(static["x"], w13, w2, static["wts"], static["ids"])
+        return attn, moe
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn_out, moe_out = step()
+
+    # New step: copy batch B into the static buffers (cache contents, metadata, inputs).
+    nb = batch_b.k_cache.shape[0]
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    k_cache[:nb].copy_(batch_b.k_cache)
+    v_cache[:nb].copy_(batch_b.v_cache)
+    meta.seq_lens.copy_(batch_b.meta.seq_lens)
+    meta.slot_mapping.copy_(batch_b.meta.slot_mapping)
+    meta.block_tables.zero_()
+    cols = batch_b.meta.block_tables.shape[1]
+    meta.block_tables[:, :cols].copy_(batch_b.meta.block_tables)
+    for name, src in (("q", batch_b.q), ("k", batch_b.new_k), ("v", batch_b.new_v)):
+        static[name].copy_(src)
+    static["x"].copy_(x_b)
+    static["wts"].copy_(wts_b)
+    static["ids"].copy_(ids_b)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    eager_k, eager_v = batch_b.k_cache.clone(), batch_b.v_cache.clone()
+    store_kv(batch_b.new_k, batch_b.new_v, eager_k, eager_v, batch_b.meta.slot_mapping)
+    eager_attn = paged_attention(batch_b.q, eager_k, eager_v, batch_b.meta, scale)
+    eager_moe = fused_moe(x_b, w13, w2, wts_b, ids_b)
+    assert torch.equal(attn_out, eager_attn)
+    assert torch.equal(moe_out, eager_moe)
+    assert rel_err(attn_out.cpu(), batch_b.reference(scale, None)) < TOL[torch.bfloat16]
