@@ -28,13 +28,13 @@ demo: install
 	$(BIN)/moetrace inspect demo-trace.h5
 
 test: install
-	$(BIN)/ruff check moetrace tests benchmarks
-	$(BIN)/ruff format --check moetrace tests benchmarks
+	$(BIN)/ruff check moetrace tests benchmarks tools
+	$(BIN)/ruff format --check moetrace tests benchmarks tools
 	$(BIN)/pytest -q
 
 format: install
-	$(BIN)/ruff check --fix moetrace tests benchmarks
-	$(BIN)/ruff format moetrace tests benchmarks
+	$(BIN)/ruff check --fix moetrace tests benchmarks tools
+	$(BIN)/ruff format moetrace tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) demo-trace.h5 .pytest_cache .ruff_cache

@@ -34,7 +34,7 @@ class LoadedModel:
     model: MoEForCausalLM
     config: dict
     source: str  # the MODEL argument as given
-    path: Path | None  # checkpoint directory (None for the built-in demo)
+    path: Path  # checkpoint directory (the packaged one for the built-in demo)
     dtype: torch.dtype
     config_digest: str
 
@@ -127,7 +127,7 @@ def fill_dummy(model: MoEForCausalLM, seed: int, std: float = 0.02) -> None:
             device = param.device
             gen = torch.Generator(device=device).manual_seed(seed + _stable_index(name))
             if param.dim() == 1:
-                if "norm" in name:
+                if "norm" in name and not name.endswith(".bias"):  # LayerNorm bias: 0
                     param.fill_(1.0)
                 else:
                     param.zero_()
@@ -152,7 +152,7 @@ def load_model(
     if source == "demo":
         from moetrace.models.demo import load_demo
 
-        return load_demo(device=device, dtype=dtype)
+        return load_demo(device=device, dtype=dtype, load_format=load_format, seed=seed)
     path = Path(source).expanduser()
     config = read_config(path)
     resolve_architecture(config, str(path))
