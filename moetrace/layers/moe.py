@@ -27,7 +27,81 @@ def softmax_topk(
     return weights, ids
 
 
+def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k on the raw logits, then softmax over the k (GraniteMoE, gpt-oss).
+
+    The softmax keeps the logits' dtype: a caller whose reference upcasts first
+    (GraniteMoE) passes float32 logits, one whose reference does not (gpt-oss)
+    passes them in the model dtype.
+    """
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return F.softmax(values, dim=-1, dtype=values.dtype), ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_groups: int, group_size: int) -> torch.Tensor:
+    """bool [tokens, experts]: True for the experts of each token's best ``topk_groups`` groups."""
+    best = torch.topk(group_scores, topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return keep.repeat_interleave(group_size, dim=1)
+
+
+def group_limited_softmax_topk(
+    router_logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 ``group_limited_greedy``: softmax, keep the groups with the best single expert.
+
+    Experts outside the kept groups get score 0 (not -inf), as in the reference,
+    and the top-k runs over every expert.
+    """
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    tokens, experts = probs.shape
+    size = experts // num_groups
+    group_scores = probs.view(tokens, num_groups, size).amax(dim=-1)
+    probs = probs.masked_fill(~_group_mask(group_scores, topk_groups, size), 0.0)
+    return torch.topk(probs, top_k, dim=-1)
+
+
+def sigmoid_group_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    *,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 (``noaux_tc``): experts picked by ``sigmoid + bias``, weighted by ``sigmoid``.
+
+    Groups are ranked by the sum of their two best biased scores.  The ids come
+    back in descending *selection* (biased) score: the trace's router order.
+    """
+    scores = router_logits.sigmoid()
+    choice = scores + correction_bias
+    tokens, experts = choice.shape
+    size = experts // num_groups
+    group_scores = choice.view(tokens, num_groups, size).topk(2, dim=-1).values.sum(dim=-1)
+    choice = choice.masked_fill(~_group_mask(group_scores, topk_groups, size), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights, ids
+
+
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss: ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+# Activations of (gate, up) that the fused kernel lacks: experts using one take the plain path.
+GATED_ACTIVATIONS = {"clamped_swiglu": clamped_swiglu}
 
 
 class MoEExperts(nn.Module):
@@ -35,18 +109,35 @@ class MoEExperts(nn.Module):
 
     ``w13[e]`` is ``[gate; up]`` of expert ``e`` (``2 * intermediate`` rows),
     ``w2[e]`` its down projection.  The plain path loops over the experts that
-    got tokens; on CUDA the fused kernel serves.
+    got tokens; on CUDA the fused kernel serves.  Optional biases ``b13[e]``
+    (same row order) and ``b2[e]``, and the ``GATED_ACTIVATIONS``, exist only
+    on the plain path: such experts say ``kernel_capable = False``.
     """
 
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, activation: str = "silu"
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        activation: str = "silu",
+        *,
+        bias: bool = False,
+        activation_args: dict | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate = intermediate
         self.activation = activation
+        self.activation_args = dict(activation_args or {})
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        if bias:
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
+        else:
+            self.register_parameter("b13", None)
+            self.register_parameter("b2", None)
+        self.kernel_capable = not bias and activation not in GATED_ACTIVATIONS
         self.use_triton = False
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -59,7 +150,6 @@ class MoEExperts(nn.Module):
     def forward_torch(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        act = ACTIVATIONS[self.activation]
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -71,8 +161,15 @@ class MoEExperts(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
-            h = F.linear(act(gate) * up, self.w2[expert])
+            b13 = None if self.b13 is None else self.b13[expert]
+            gate, up = F.linear(x[tokens], self.w13[expert], b13).chunk(2, dim=-1)
+            b2 = None if self.b2 is None else self.b2[expert]
+            h = F.linear(self._glu(gate, up), self.w2[expert], b2)
             out.index_add_(0, tokens, h * weight_of[start : start + count, None].to(h.dtype))
             start += count
         return out
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.activation in GATED_ACTIVATIONS:
+            return GATED_ACTIVATIONS[self.activation](gate, up, **self.activation_args)
+        return ACTIVATIONS[self.activation](gate) * up

@@ -6,9 +6,25 @@ from collections.abc import Callable
 
 from moetrace.errors import ModelError
 from moetrace.models.base import MoEForCausalLM
+from moetrace.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from moetrace.models.gpt_oss import GptOssForCausalLM
+from moetrace.models.granitemoe import GraniteMoeForCausalLM
+from moetrace.models.mixtral import MixtralForCausalLM
+from moetrace.models.olmoe import OlmoeForCausalLM
+from moetrace.models.phimoe import PhimoeForCausalLM
+from moetrace.models.qwen2_moe import Qwen2MoeForCausalLM
 from moetrace.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, Callable[[dict], MoEForCausalLM]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "PhiMoEForCausalLM": PhimoeForCausalLM,  # the remote-code name on the Hub
+    "PhimoeForCausalLM": PhimoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 

@@ -1,0 +1,211 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of compressed latents.
+
+The cache holds what the reference caches: per token, the normalised KV
+latent (``kv_lora_rank``) and the rotated key part shared by all heads
+(``qk_rope_head_dim``) — 576 values for V2/V3 instead of 2 × heads × 192.
+The engine gives each attention layer a k and a v cache of one shape, so the
+packed ``[latent ‖ rope key]`` vector is split in two halves (the second
+zero-padded when the sum is odd): one half per cache tensor.
+
+Each step expands a sequence's cached latents through ``kv_b_proj`` into
+per-head keys and values, as the reference's ``expand_kv`` does, then runs
+eager attention with the reference's dtypes.  On CUDA, decode-only steps
+instead run all sequences at once in latent space (``kv_b_proj`` absorbed
+into the query and the output): the same attention, rounded differently, and
+one set of kernels per layer instead of one per sequence.  There is no Triton
+kernel (``kernel_capable`` is False) and so no decode CUDA graph: on the GPU
+this is the slow part of a DeepSeek run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrace.engine.context import get_attention_metadata
+from moetrace.layers.attention import PagedAttention, store_kv_torch
+from moetrace.layers.norm import RMSNorm
+from moetrace.layers.rotary import _yarn_mscale
+
+Rope = Callable[[torch.Tensor], torch.Tensor]  # [tokens, heads, rope_dim] → rotated, same shape
+
+# Bound on one score tensor (heads × queries × keys): longer prefills run in query chunks.
+MAX_SCORE_ELEMENTS = 1 << 28
+
+
+@dataclass(frozen=True)
+class MLADims:
+    hidden: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+def mla_softmax_scale(qk_dim: int, rope: dict) -> float:
+    """``qk_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under scaled rope.
+
+    The reference applies this for any non-default rope type with a non-zero
+    ``mscale_all_dim``, so YaRN's attention factor reaches the logits twice
+    (through cos/sin and through this scale).
+    """
+    scale = qk_dim**-0.5
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    mscale_all_dim = rope.get("mscale_all_dim") or 0
+    if kind not in ("default", None) and mscale_all_dim:
+        m = _yarn_mscale(rope["factor"], mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+class LatentCache(PagedAttention):
+    """One layer's paged store of packed latents: k_cache and v_cache hold its two halves."""
+
+    def __init__(self, dims: MLADims, scale: float) -> None:
+        self.packed_dim = dims.kv_lora_rank + dims.rope_dim
+        super().__init__(dims.num_heads, 1, -(-self.packed_dim // 2), scale)
+        self.dims = dims
+
+    @property
+    def kernel_capable(self) -> bool:
+        return False
+
+    def store(self, latent: torch.Tensor, k_rot: torch.Tensor, slots: torch.Tensor) -> None:
+        """latent [T, kv_lora_rank], k_rot [T, rope_dim] into their slots."""
+        half = self.head_dim
+        packed = torch.cat([latent, k_rot], dim=-1)
+        packed = F.pad(packed, (0, 2 * half - self.packed_dim)).view(-1, 2, 1, half)
+        store_kv_torch(packed[:, 0], packed[:, 1], self.k_cache, self.v_cache, slots)
+
+    def gather(self, blocks: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent [s, kv_lora_rank], k_rot [s, rope_dim]) of one sequence's first s tokens."""
+        half = self.head_dim
+        k = self.k_cache[blocks].reshape(-1, half)[:seq_len]
+        v = self.v_cache[blocks].reshape(-1, half)[:seq_len]
+        packed = torch.cat([k, v], dim=-1)[:, : self.packed_dim]
+        return packed.split([self.dims.kv_lora_rank, self.dims.rope_dim], dim=-1)
+
+    def gather_batch(self, tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent [B, S, kv_lora_rank], k_rot [B, S, rope_dim]) for S = max_len rounded up to
+        whole blocks; positions past a sequence's length hold whatever those slots hold."""
+        half, bs = self.head_dim, self.k_cache.shape[1]
+        blocks = tables[:, : -(-max_len // bs)].long()
+        k = self.k_cache[blocks].reshape(blocks.shape[0], -1, half)
+        v = self.v_cache[blocks].reshape(blocks.shape[0], -1, half)
+        packed = torch.cat([k, v], dim=-1)[..., : self.packed_dim]
+        return packed.split([self.dims.kv_lora_rank, self.dims.rope_dim], dim=-1)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek's attention: low-rank q (optional), a compressed shared KV latent, split rope.
+
+    Submodule names follow the checkpoint (``q_proj`` or ``q_a_proj`` /
+    ``q_a_layernorm`` / ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj``, ``o_proj``).  The two low-rank norms use eps 1e-6 whatever
+    ``rms_norm_eps`` says: the reference builds them with its default.
+    """
+
+    def __init__(self, dims: MLADims, scale: float, *, bias: bool) -> None:
+        super().__init__()
+        self.dims = dims
+        d = dims
+        if d.q_lora_rank is None:
+            self.q_proj = nn.Linear(d.hidden, d.num_heads * d.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d.hidden, d.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(d.q_lora_rank, d.num_heads * d.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d.hidden, d.kv_lora_rank + d.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(d.kv_lora_rank, d.num_heads * (d.nope_dim + d.v_dim), bias=False)
+        self.o_proj = nn.Linear(d.num_heads * d.v_dim, d.hidden, bias=bias)
+        self.attn = LatentCache(dims, scale)
+        self.absorbed_decode: bool | None = None  # None: on CUDA only (see the module doc)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        d, t = self.dims, x.shape[0]
+        if d.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(t, d.num_heads, d.qk_dim).split([d.nope_dim, d.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_rot = rope(k_rot.reshape(t, 1, d.rope_dim)).view(t, d.rope_dim)
+        query = torch.cat([q_nope, rope(q_rot)], dim=-1)
+        meta = get_attention_metadata()
+        self.attn.store(latent, k_rot, meta.slot_mapping)
+        absorbed = x.is_cuda if self.absorbed_decode is None else self.absorbed_decode
+        if absorbed and meta.is_decode_only:
+            out = self._decode_absorbed(query, meta.block_tables, meta.seq_lens, meta.max_seq_len)
+            return self.o_proj(out.reshape(t, d.num_heads * d.v_dim))
+        out = torch.empty(t, d.num_heads, d.v_dim, dtype=x.dtype, device=x.device)
+        starts = meta.query_start_loc_host
+        for b, seq_len in enumerate(meta.seq_lens_host):
+            q0, q1 = starts[b], starts[b + 1]
+            blocks = meta.block_tables[b, : -(-seq_len // meta.block_size)].long()
+            keys, values = self._expand(*self.attn.gather(blocks, seq_len))
+            out[q0:q1] = self._attend(query[q0:q1], keys, values)
+        return self.o_proj(out.reshape(t, d.num_heads * d.v_dim))
+
+    def _expand(
+        self, latent: torch.Tensor, k_rot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [H, s, qk_dim] and values [H, s, v_dim] from cached latents."""
+        d, s = self.dims, latent.shape[0]
+        kv = self.kv_b_proj(latent).view(s, d.num_heads, d.nope_dim + d.v_dim).transpose(0, 1)
+        k_nope, values = kv.split([d.nope_dim, d.v_dim], dim=-1)
+        keys = torch.cat([k_nope, k_rot[None].expand(d.num_heads, -1, -1)], dim=-1)
+        return keys, values
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Causal eager attention of a sequence's last q_len queries; scores in the model
+        dtype, softmax in float32 (float64 stays float64), as the reference."""
+        q_len, seq_len = q.shape[0], keys.shape[1]
+        heads = self.dims.num_heads
+        out = torch.empty(q_len, heads, self.dims.v_dim, dtype=q.dtype, device=q.device)
+        step = max(1, MAX_SCORE_ELEMENTS // max(1, heads * seq_len))
+        softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        for c0 in range(0, q_len, step):
+            c1 = min(q_len, c0 + step)
+            scores = torch.matmul(q[c0:c1].transpose(0, 1), keys.transpose(1, 2)) * self.attn.scale
+            q_pos = torch.arange(seq_len - q_len + c0, seq_len - q_len + c1, device=q.device)
+            scores = scores.masked_fill(k_pos > q_pos[:, None], float("-inf"))
+            probs = F.softmax(scores, dim=-1, dtype=softmax_dtype).to(values.dtype)
+            out[c0:c1] = torch.matmul(probs, values).transpose(0, 1)
+        return out
+
+    def _decode_absorbed(
+        self, query: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+    ) -> torch.Tensor:
+        """One query per sequence, all sequences together, attending in latent space.
+
+        ``q_nope · (W_uk c)`` is computed as ``(q_nope W_uk) · c`` and the
+        output ``Σ p (W_uv c)`` as ``W_uv Σ p c``, so no key or value is expanded.
+        """
+        d = self.dims
+        latent, k_rot = self.attn.gather_batch(tables, max_len)  # [B, S, r], [B, S, rope]
+        w = self.kv_b_proj.weight.view(d.num_heads, d.nope_dim + d.v_dim, d.kv_lora_rank)
+        w_uk, w_uv = w.split([d.nope_dim, d.v_dim], dim=1)
+        q_nope, q_rot = query.split([d.nope_dim, d.rope_dim], dim=-1)  # [B, H, ·]
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        scores = torch.matmul(q_latent, latent.transpose(1, 2))
+        scores = (scores + torch.matmul(q_rot, k_rot.transpose(1, 2))) * self.attn.scale
+        past_end = torch.arange(latent.shape[1], device=query.device)[None, :] >= seq_lens[:, None]
+        latent = latent.masked_fill(past_end[..., None], 0.0)  # stale slots may hold anything
+        scores = scores.masked_fill(past_end[:, None, :], float("-inf"))
+        softmax_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        probs = F.softmax(scores, dim=-1, dtype=softmax_dtype).to(latent.dtype)
+        out_latent = torch.matmul(probs, latent)  # [B, H, r]
+        return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)

@@ -1,0 +1,50 @@
+"""MXFP4 (OCP microscaling FP4) weights, dequantized once at load.
+
+A quantized tensor is two checkpoint tensors: ``*_blocks [..., G, 16]`` uint8,
+each byte two FP4 (e2m1) values with the low nibble first, and
+``*_scales [..., G]`` uint8, one e8m0 exponent per block of 32 values
+(scale ``2 ** (s - 127)``).  The 32 values of block ``g`` are elements
+``32 g .. 32 g + 31`` of the last dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrace.errors import ModelError
+
+# e2m1 by code: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; code 0b0001 is subnormal.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES += tuple(-v for v in E2M1_VALUES)
+E8M0_BIAS = 127
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[..., G, 16]`` blocks and ``[..., G]`` scales → ``[..., 32 G]`` values in ``dtype``.
+
+    Exact: every e2m1 value times a power of two is representable in float32,
+    and in bfloat16 (8 exponent bits) too.
+    """
+    if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ModelError(
+            f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not pair "
+            "(want blocks [..., G, 16] with scales [..., G])"
+        )
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = blocks.to(torch.uint8)
+    low, high = lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]
+    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., G, 32]
+    exponents = scales.to(torch.int32).unsqueeze(-1) - E8M0_BIAS
+    return torch.ldexp(values, exponents).flatten(-2).to(dtype)
+
+
+def quant_method(config: dict) -> str | None:
+    """The checkpoint's quantization method, lower case (None: plain weights)."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if not isinstance(quant, dict) or not quant.get("quant_method"):
+        raise ModelError("quantization_config without a quant_method")
+    return str(quant["quant_method"]).lower()

@@ -1,0 +1,92 @@
+"""OLMoE: recorded routing equals transformers' routers (float32, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import make_tiny_checkpoint
+from parity import assert_parity
+
+from moetrace.config import EngineConfig
+from moetrace.models.loader import instantiate
+from moetrace.recording import Recording, SamplingDefaults
+from moetrace.trace.reader import open_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHAPES = {
+    "raw-probs": dict(norm_topk_prob=False),
+    "renormalised-top4": dict(norm_topk_prob=True, num_experts_per_tok=4),
+    # Tight enough that most q/k/v entries of the tiny model are clamped.
+    "clip-qkv": dict(clip_qkv=0.3, num_experts_per_tok=3),
+    "top1-attention-bias": dict(num_experts_per_tok=1, attention_bias=True, norm_topk_prob=True),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: extra threads only spin on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompts(seed: int) -> dict[str, list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 300, 9).tolist()
+    return {
+        "short": rng.integers(0, 300, 3).tolist(),
+        "long": rng.integers(0, 300, 23).tolist(),
+        "shared-a": shared + rng.integers(0, 300, 4).tolist(),
+        "shared-b": shared + rng.integers(0, 300, 6).tolist(),
+    }
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_routing_and_greedy_tokens_match_transformers(tmp_path, name):
+    ckpt = make_tiny_checkpoint("olmoe", tmp_path / name, seed=len(name), **SHAPES[name])
+    # Small steps and blocks: chunked prefill, prefix hits and decode all take part.
+    assert_parity(ckpt, prompts(len(name)), max_num_batched_tokens=8, max_num_seqs=3)
+
+
+def test_hub_style_config_keys(tmp_path):
+    """Published checkpoints spell keys differently from save_pretrained (torch_dtype, rope_theta)."""
+    ckpt = make_tiny_checkpoint("olmoe", tmp_path / "hub", seed=5, config_style="hub")
+    assert_parity(ckpt, prompts(5), max_num_batched_tokens=8)
+
+
+def test_trace_metadata_from_dummy_weights(tmp_path):
+    ckpt = make_tiny_checkpoint("olmoe", tmp_path / "m", seed=1, num_experts_per_tok=3)
+    lines = [{"id": str(i), "prompt_token_ids": [5 + i, 6, 7]} for i in range(2)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    Recording(
+        str(ckpt),
+        str(tmp_path / "p.jsonl"),
+        tmp_path / "t.h5",
+        engine=EngineConfig(num_kv_blocks=16, block_size=4),
+        sampling=SamplingDefaults(max_tokens=2),
+        device="cpu",
+        load_format="dummy",
+    ).run()
+    with open_trace(tmp_path / "t.h5") as trace:
+        meta = trace.metadata
+        assert meta["architecture"] == "OlmoeForCausalLM"
+        assert list(meta["moe_layer_indices"]) == [0, 1, 2]
+        assert (trace.num_experts, trace.top_k) == (8, 3)
+        assert [r.routed_experts.shape for r in trace] == [(4, 3, 3)] * 2
+
+
+def test_olmoe_1b_7b_benchmark_config_instantiates():
+    config = json.loads((ROOT / "benchmarks" / "configs" / "olmoe-1b-7b.json").read_text())
+    model = instantiate(config, "olmoe-1b-7b", torch.bfloat16, torch.device("meta"))
+    assert (model.num_experts, model.top_k, model.moe_layer_indices) == (64, 8, list(range(16)))
+    assert model.layers[0].self_attn.q_norm.weight.shape == (2048,)
+    assert model.layers[0].mlp.experts.w13.shape == (64, 2048, 2048)
+    total = sum(p.numel() for p in model.parameters())
+    assert 6.8e9 < total < 7.0e9  # OLMoE-1B-7B: 6.9B parameters
+    assert len(model.expected_weight_names()) == 16 * (64 * 3 + 9) + 3

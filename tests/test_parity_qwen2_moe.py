@@ -1,0 +1,113 @@
+"""Qwen2-MoE: recorded routing equals transformers' routers (float32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import make_tiny_checkpoint
+from parity import assert_parity
+
+from moetrace.config import EngineConfig
+from moetrace.models.loader import load_model
+from moetrace.recording import Recording, SamplingDefaults
+from moetrace.trace.reader import open_trace
+
+SHAPES = {
+    "raw-probs": dict(norm_topk_prob=False),
+    "renormalised-top3-small-shared": dict(
+        norm_topk_prob=True, num_experts_per_tok=3, shared_expert_intermediate_size=8
+    ),
+    "mlp-only-layer": dict(mlp_only_layers=[0], num_hidden_layers=4),
+    "sparse-step-2": dict(
+        decoder_sparse_step=2, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4
+    ),
+    # config.json lists layer_types: layer 0 slides (window 5), the others attend fully.
+    "sliding-window-5": dict(
+        use_sliding_window=True, sliding_window=5, max_window_layers=2, num_hidden_layers=4
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: extra threads only spin on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompts(seed: int) -> dict[str, list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 300, 9).tolist()
+    return {
+        "short": rng.integers(0, 300, 3).tolist(),
+        "long": rng.integers(0, 300, 23).tolist(),
+        "shared-a": shared + rng.integers(0, 300, 4).tolist(),
+        "shared-b": shared + rng.integers(0, 300, 6).tolist(),
+    }
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_routing_and_greedy_tokens_match_transformers(tmp_path, name):
+    ckpt = make_tiny_checkpoint("qwen2_moe", tmp_path / name, seed=len(name), **SHAPES[name])
+    # Small steps and blocks: chunked prefill, prefix hits and decode all take part.
+    assert_parity(ckpt, prompts(len(name)), max_num_batched_tokens=8, max_num_seqs=3)
+
+
+def test_published_config_without_layer_types(tmp_path):
+    """Hub spellings, and no layer_types or qkv_bias keys (Qwen1.5-MoE's config.json has neither).
+
+    The sliding layers then follow transformers' default rule: even layers
+    below max_window_layers.
+    """
+    ckpt = make_tiny_checkpoint(
+        "qwen2_moe",
+        tmp_path / "hub",
+        seed=5,
+        config_style="hub",
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=3,
+        num_hidden_layers=4,
+    )
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    assert config.pop("layer_types") and config.pop("qkv_bias") is True
+    path.write_text(json.dumps(config))
+    model = load_model(str(ckpt), device=torch.device("cpu"), dtype="float32").model
+    windows = [layer.self_attn.attn.sliding_window for layer in model.layers]
+    assert windows == [5, None, 5, None]
+    assert_parity(ckpt, prompts(5), max_num_batched_tokens=8)
+
+
+def test_trace_metadata_from_dummy_weights(tmp_path):
+    ckpt = make_tiny_checkpoint(
+        "qwen2_moe",
+        tmp_path / "m",
+        seed=1,
+        num_hidden_layers=4,
+        mlp_only_layers=[1],
+        num_experts=16,
+        num_experts_per_tok=3,
+    )
+    lines = [{"id": str(i), "prompt_token_ids": [5 + i, 6, 7]} for i in range(2)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    Recording(
+        str(ckpt),
+        str(tmp_path / "p.jsonl"),
+        tmp_path / "t.h5",
+        engine=EngineConfig(num_kv_blocks=16, block_size=4),
+        sampling=SamplingDefaults(max_tokens=2),
+        device="cpu",
+        load_format="dummy",
+    ).run()
+    with open_trace(tmp_path / "t.h5") as trace:
+        meta = trace.metadata
+        assert meta["architecture"] == "Qwen2MoeForCausalLM"
+        assert list(meta["moe_layer_indices"]) == [0, 2, 3]
+        assert (trace.num_experts, trace.top_k) == (16, 3)
+        assert [r.routed_experts.shape for r in trace] == [(4, 3, 3)] * 2
