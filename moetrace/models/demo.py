@@ -1,58 +1,45 @@
-"""The built-in ``demo`` model: Qwen3-MoE-shaped, seeded random weights, byte tokenizer.
+"""The built-in ``demo`` model: a tiny trained Qwen3-MoE shipped inside the package.
 
-It lets ``moetrace record demo ...`` run with nothing downloaded.  Layer 0 is
-dense (``mlp_only_layers``), so the demo also shows that dense layers get no
-routing rows.
+``demo`` is only a name for an ordinary checkpoint directory
+(``moetrace/assets/demo``), loaded by the same code as any other, so the demo
+exercises the real path and its trace can be checked against transformers.
+It was trained by ``tools/train_demo.py`` on the Python standard library's
+source and docs (docs/demo-model.md), so its experts have specialised and a
+trace of it shows structure.  Layer 0 is dense (``mlp_only_layers``): dense
+layers get no routing rows.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-from moetrace.models.loader import (
-    LoadedModel,
-    config_digest,
-    fill_dummy,
-    instantiate,
-    resolve_dtype,
-)
+from moetrace.models.loader import LoadedModel
 
-DEMO_SEED = 1234
-
-DEMO_CONFIG: dict = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "vocab_size": 260,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 16,
-    "num_experts_per_tok": 4,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [0],
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "bos_token_id": 256,
-    "eos_token_id": 257,
-    "torch_dtype": "float32",
-}
+DEMO_NAME = "demo"
+DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+# The shipped config.json, for callers that need the demo's shape without loading it.
+DEMO_CONFIG: dict = json.loads((DEMO_DIR / "config.json").read_text(encoding="utf-8"))
 
 
-def load_demo(*, device: torch.device, dtype: str = "auto") -> LoadedModel:
-    torch_dtype = resolve_dtype(dtype, DEMO_CONFIG, device)
-    if dtype == "auto":
-        torch_dtype = torch.float32
-    # Filled on the CPU so the demo's weights are the same on every device.
-    model = instantiate(DEMO_CONFIG, "demo", torch_dtype, torch.device("cpu"))
-    fill_dummy(model, DEMO_SEED, std=0.2)
-    model = model.to(device)
-    return LoadedModel(
-        model, dict(DEMO_CONFIG), "demo", None, torch_dtype, config_digest(DEMO_CONFIG)
+def model_dir(model: str) -> Path:
+    """The checkpoint directory a MODEL argument names (``demo`` is the shipped one)."""
+    return DEMO_DIR if model == DEMO_NAME else Path(model).expanduser()
+
+
+def load_demo(
+    *,
+    device: torch.device,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LoadedModel:
+    from moetrace.models.loader import load_model
+
+    loaded = load_model(
+        str(DEMO_DIR), device=device, dtype=dtype, load_format=load_format, seed=seed
     )
+    loaded.source = DEMO_NAME
+    return loaded
