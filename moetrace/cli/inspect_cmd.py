@@ -1,4 +1,4 @@
-"""``moetrace inspect``: what a trace holds and how evenly each layer spreads its load."""
+"""``moetrace inspect``: what a trace holds and how it routes (views in moetrace.analysis)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ from pathlib import Path
 import numpy as np
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from moetrace.trace.reader import open_trace
-from moetrace.trace.stats import expert_counts, load_stats, summary
 
 
 def inspect_command(
@@ -19,49 +17,119 @@ def inspect_command(
         ..., metavar="TRACE", help="Trace file written by 'moetrace record'."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    view: list[str] = typer.Option(
+        [],
+        "--view",
+        "-v",
+        help="summary, load, ep, locality, coactivation, transitions, vocab, requests, tokens "
+        "(repeat; default: summary and load).",
+    ),
+    all_views: bool = typer.Option(
+        False, "--all", help="Add locality, coactivation, transitions and requests."
+    ),
+    request: list[str] = typer.Option(
+        [], "--request", "-r", help="Only this request id (repeat; globs work); shows its tokens."
+    ),
+    request_range: list[str] = typer.Option(
+        [], "--range", help="Only records START:STOP of the request table (repeat)."
+    ),
+    part: str = typer.Option("all", "--part", help="all, prompt or output tokens."),
+    layer: list[int] = typer.Option(
+        [], "--layer", help="Only this MoE layer (decoder index; repeat)."
+    ),
+    ep_size: int | None = typer.Option(
+        None, "--ep-size", help="Expert-parallel ranks: adds the ep view."
+    ),
+    ep_placement: str = typer.Option(
+        "contiguous", "--ep-placement", help="contiguous (vLLM linear) or round-robin."
+    ),
+    ep_map: Path | None = typer.Option(
+        None, "--ep-map", help="JSON expert->rank list (or one list per MoE layer)."
+    ),
+    expert: list[str] = typer.Option(
+        [], "--expert", help="LAYER:EXPERT: the tokens routed to it most (repeat)."
+    ),
+    token: list[str] = typer.Option([], "--token", help="Token id: its usual experts (repeat)."),
+    token_text: list[str] = typer.Option(
+        [], "--token-text", help="Like --token, by text (must be one token)."
+    ),
+    top: int = typer.Option(5, "--top", help="Pairs or tokens listed per layer."),
+    rank_by: str = typer.Option("count", "--rank-by", help="Order pairs by count or lift."),
+    limit: int = typer.Option(20, "--limit", help="Requests in per-request views (0: all)."),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="tokenizer.json to decode tokens (default: the trace's)."
+    ),
+    plot: Path | None = typer.Option(
+        None,
+        "--plot",
+        help="Write a layer x expert heatmap + imbalance chart (.png .svg .pdf .html).",
+    ),
+    chunk_rows: int = typer.Option(16384, "--chunk-rows", help="Rows read at a time.", hidden=True),
 ) -> None:
-    """Show what TRACE holds and the per-layer expert load."""
+    """Show what TRACE holds and how it routes: load, EP balance, locality, pairs, tokens.
+
+    Examples: moetrace inspect t.h5 --all --ep-size 4;
+    moetrace inspect t.h5 --request q1 --layer 1;
+    moetrace inspect t.h5 --expert 2:7 --token-text e --plot load.png
+    """
+    from moetrace.analysis.report import InspectOptions, inspect_report
+    from moetrace.cli.inspect_views import render_report
+
+    opts = InspectOptions(
+        views=view,
+        all_views=all_views,
+        request_ids=request,
+        ranges=request_range,
+        part=part,
+        layers=layer,
+        ep_size=ep_size,
+        ep_placement=ep_placement,
+        ep_map=ep_map,
+        experts=expert,
+        tokens=token,
+        token_texts=token_text,
+        top=top,
+        rank_by=rank_by,
+        limit=limit,
+        chunk_rows=chunk_rows,
+        tokenizer=tokenizer,
+    )
+    if plot is not None:
+        from moetrace.analysis.plots import check_plot_path
+
+        check_plot_path(plot)
+        if "load" not in (opts.views or ["load"]):
+            opts.views = [*opts.views, "load"]
     with open_trace(trace_path) as trace:
-        info = summary(trace)
-        counts = expert_counts(trace)
-        stats = load_stats(counts)
-        layers = list(trace.metadata["moe_layer_indices"])
-    per_layer = [
-        {
-            "layer": int(layer),
-            "min": int(stats.min[i]),
-            "max": int(stats.max[i]),
-            "mean": float(stats.mean[i]),
-            "max_over_mean": float(stats.max_over_mean[i]),
-            "normalized_entropy": float(stats.normalized_entropy[i]),
-            "dead_experts": int(stats.dead[i]),
-        }
-        for i, layer in enumerate(layers)
-    ]
+        report = inspect_report(trace, opts)
+    if plot is not None:
+        _plot(report, plot)
     if as_json:
-        typer.echo(
-            json.dumps({"trace": str(trace_path), **info, "layer_load": per_layer}, default=_plain)
-        )
+        typer.echo(json.dumps(report, default=_plain))
         return
-    console = Console()
-    head = Table(title=str(trace_path), show_header=False, box=None)
-    for key, value in info.items():
-        head.add_row(key.replace("_", " "), _show(value))
-    console.print(head)
-    table = Table(title="expert load per MoE layer (token-expert assignments)")
-    for name in ("layer", "min", "max", "mean", "max/mean", "entropy", "dead"):
-        table.add_column(name, justify="right")
-    for row in per_layer:
-        table.add_row(
-            str(row["layer"]),
-            f"{row['min']:,}",
-            f"{row['max']:,}",
-            f"{row['mean']:,.1f}",
-            f"{row['max_over_mean']:.2f}",
-            f"{row['normalized_entropy']:.3f}",
-            str(row["dead_experts"]),
-        )
-    console.print(table)
+    render_report(Console(), report)
+    if plot is not None:
+        Console(stderr=True).print(f"[green]wrote[/green] {plot}", highlight=False)
+
+
+def _plot(report: dict, path: Path) -> None:
+    from moetrace.analysis.plots import plot_load
+
+    sel = report["selection"]
+    plot_load(
+        np.asarray(report["expert_counts"]),
+        sel["layers"],
+        path,
+        title=f"{report['model']}: expert load ({Path(report['trace']).name})",
+        subtitle=f"{_n(sel['requests'], 'request')}, {_n(sel['rows'], 'token')}"
+        + ("" if sel["part"] == "all" else f" ({sel['part']} only)")
+        + f", {report['experts']} experts, top-{report['top_k']}",
+        ep=report.get("ep"),
+    )
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 def _show(value) -> str:

@@ -1,0 +1,168 @@
+"""One trace from shards of the same recording (``--num-shards`` runs on several machines).
+
+Shards must agree on everything that gives rows their meaning: format, model
+(config digest), routing shape, expert id dtype and compute dtype.  Requests
+are copied shard by shard in record order through the ordinary writer, so the
+merged file has fresh checksums and the layout of a single recording; where
+each request came from is kept in the root attribute ``merged_from``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+
+from moetrace.analysis.load import trace_dataset
+from moetrace.distributed.shards import check_shard_set
+from moetrace.engine.outputs import FinishedRequest
+from moetrace.errors import MoetraceError
+from moetrace.trace.metadata import TraceMetadata
+from moetrace.trace.reader import Trace, open_trace
+from moetrace.trace.writer import ROUTED_EXPERTS, TraceWriter
+
+MUST_MATCH = (
+    "format_version",
+    "architecture",
+    "config_digest",
+    "num_hidden_layers",
+    "moe_layer_indices",
+    "num_experts",
+    "top_k",
+    "vocab_size",
+    "expert_id_dtype",
+    "row_order",
+    "dtype",
+)
+
+
+def metadata_of(trace: Trace) -> TraceMetadata:
+    md = trace.metadata
+    return TraceMetadata(
+        model=md["model"],
+        architecture=md["architecture"],
+        config_digest=md["config_digest"],
+        num_hidden_layers=int(md["num_hidden_layers"]),
+        moe_layer_indices=[int(x) for x in md["moe_layer_indices"]],
+        num_experts=int(md["num_experts"]),
+        top_k=int(md["top_k"]),
+        vocab_size=int(md["vocab_size"]),
+        tokenizer=md.get("tokenizer") or None,
+        dtype=md["dtype"],
+        engine_settings=md.get("engine_settings") or {},
+    )
+
+
+def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> list[str]:
+    """Refuse shards that cannot be one recording; return notes about harmless differences."""
+    first = shards[0]
+    notes = []
+    for shard in shards[1:]:
+        for key in MUST_MATCH:
+            a, b = first.metadata.get(key), shard.metadata.get(key)
+            if a != b:
+                raise MoetraceError(
+                    f"{shard.path} is not a shard of the same recording as {first.path}: "
+                    f"{key} {b!r} vs {a!r}"
+                )
+        if shard.metadata.get("model") != first.metadata.get("model"):
+            notes.append(
+                f"model given as {shard.metadata['model']!r} in {shard.path} and "
+                f"{first.metadata['model']!r} in {first.path} (same config digest)"
+            )
+    for shard in shards:
+        if not shard.complete and not allow_incomplete:
+            raise MoetraceError(
+                f"{shard.path} is incomplete (its recording did not finish); resume it, or "
+                "merge anyway with --allow-incomplete"
+            )
+    seen: dict[str, Path] = {}
+    for shard in shards:
+        for rid in shard.request_ids:
+            if rid in seen:
+                raise MoetraceError(
+                    f"request id {rid!r} is in both {seen[rid]} and {shard.path}: "
+                    "shards of one recording hold disjoint requests"
+                )
+            seen[rid] = shard.path
+    # Shards of a --num-shards run: one of each, from the same split (distributed/shards.py).
+    notes += check_shard_set(
+        [s.metadata.get("engine_settings") or {} for s in shards], [str(s.path) for s in shards]
+    )
+    indices = [int(i) for s in shards for i in s.requests["index"]]
+    if len(set(indices)) != len(indices):
+        notes.append("request index values repeat across shards (each numbered its own input)")
+    return notes
+
+
+def merge_traces(
+    output: str | os.PathLike,
+    shard_paths: Sequence[str | os.PathLike],
+    *,
+    overwrite: bool = False,
+    allow_incomplete: bool = False,
+) -> dict:
+    """Write ``output`` from ``shard_paths``; returns counts and notes."""
+    if not shard_paths:
+        raise MoetraceError("give at least one shard to merge")
+    out = Path(output)
+    for p in shard_paths:
+        if Path(p).exists() and out.exists() and Path(p).resolve() == out.resolve():
+            raise MoetraceError(f"the output {out} is also a shard")
+    shards = []
+    try:
+        for p in shard_paths:
+            shards.append(open_trace(p))
+        notes = check_shards(shards, allow_incomplete)
+        first = trace_dataset(shards[0], ROUTED_EXPERTS)
+        writer = TraceWriter(
+            out,
+            metadata_of(shards[0]),
+            chunk_rows=first.chunks[0] if first.chunks else 1024,
+            compression="gzip" if first.compression == "gzip" else None,
+            overwrite=overwrite,
+        )
+        provenance, requests, rows = [], 0, 0
+        with writer:
+            for shard in shards:
+                for req in shard:
+                    writer.submit(
+                        FinishedRequest(
+                            request_id=req.id,
+                            index=req.index,
+                            prompt_token_ids=req.prompt_token_ids,
+                            output_token_ids=req.output_token_ids,
+                            routed_experts=req.routed_experts,
+                            finish_reason=req.finish_reason,
+                            num_cached_tokens=req.num_cached_tokens,
+                            num_preemptions=req.num_preemptions,
+                            extra=req.extra,
+                        )
+                    )
+                provenance.append(
+                    {
+                        "path": str(shard.path),
+                        "created": shard.metadata.get("created"),
+                        "requests": shard.num_requests,
+                        "rows": shard.num_rows,
+                        "complete": shard.complete,
+                        "engine_settings": shard.metadata.get("engine_settings") or {},
+                    }
+                )
+                requests += shard.num_requests
+                rows += shard.num_rows
+    finally:
+        for shard in shards:
+            shard.close()
+    with h5py.File(out, "r+", locking=False) as f:
+        f.attrs["merged_from"] = json.dumps(provenance, sort_keys=True)
+    return {
+        "output": str(out),
+        "shards": len(shards),
+        "requests": requests,
+        "rows": rows,
+        "notes": notes,
+    }

@@ -1,0 +1,157 @@
+"""``moetrace diff``: routing agreement between two traces of the same requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from moetrace.trace.reader import open_trace
+
+
+def diff_command(
+    trace_a: Path = typer.Argument(..., metavar="A", help="First trace."),
+    trace_b: Path = typer.Argument(..., metavar="B", help="Second trace (same requests)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    match: str = typer.Option("id", "--match", help="Pair requests by 'id' or by input 'index'."),
+    request: list[str] = typer.Option([], "--request", "-r", help="Only this request id (repeat)."),
+    limit: int = typer.Option(
+        10, "--limit", help="Requests listed in detail (0: all; JSON lists up to 50 by default)."
+    ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write per-layer mismatch charts (.png .svg .pdf .html)."
+    ),
+) -> None:
+    """Compare the routing of A and B token by token: per-layer and per-token mismatch,
+    Jaccard overlap of the top-k sets, first diverging layer (R3's figures).
+
+    Where the generated tokens part ways, only the common prefix is compared.
+    Example: moetrace diff bf16.h5 fp32.h5
+    """
+    from moetrace.analysis.diff import diff_traces
+
+    if plot is not None:
+        from moetrace.analysis.plots import check_plot_path
+
+        check_plot_path(plot)
+    with open_trace(trace_a) as a, open_trace(trace_b) as b:
+        result = diff_traces(
+            a, b, match=match, ids=request or None, detail_limit=limit if not as_json else 50
+        )
+    if plot is not None:
+        from moetrace.analysis.plots import plot_diff
+
+        plot_diff(
+            result,
+            plot,
+            title=f"routing mismatch: {trace_a.name} vs {trace_b.name}",
+            subtitle=f"{result['tokens']:,} tokens compared; "
+            f"{_pct(result['token_mismatch'])} differ in at least one layer",
+        )
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    _render(Console(), result, limit)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def _render(console: Console, d: dict, limit: int) -> None:
+    req = d["requests"]
+    head = Table(show_header=False, box=None, title=f"{d['a']}  vs  {d['b']}")
+    verdict = "identical routing" if d["identical"] else "routing differs"
+    head.add_row("verdict", f"[bold]{verdict}[/bold]")
+    head.add_row(
+        "requests",
+        f"{req['compared']:,} compared by {d['match']}; {req['only_in_a']:,} only in A, "
+        f"{req['only_in_b']:,} only in B",
+    )
+    head.add_row("tokens compared", f"{d['tokens']:,}")
+    if req["tokens_diverged"]:
+        head.add_row(
+            "tokens diverge",
+            f"in {req['tokens_diverged']:,} request(s): only the common prefix is compared "
+            f"({d['rows_excluded']:,} rows left out)",
+        )
+    if req["prompts_differ"]:
+        head.add_row("prompts differ", f"in {req['prompts_differ']:,} request(s)")
+    head.add_row("token mismatch", f"{_pct(d['token_mismatch'])} (any layer's top-k set differs)")
+    head.add_row("router mismatch", f"{_pct(d['router_mismatch'])} (token x layer sets differ)")
+    head.add_row("top-1 mismatch", _pct(d["top1_mismatch"]))
+    mj = d["mean_jaccard"]
+    head.add_row("mean Jaccard", "-" if mj is None else f"{mj:.4f}")
+    for name, part in d["by_part"].items():
+        if part["tokens"]:
+            head.add_row(
+                f"{name} tokens",
+                f"{part['tokens']:,}: token mismatch {_pct(part['token_mismatch'])}, "
+                f"router mismatch {_pct(part['router_mismatch'])}",
+            )
+    for w in d["warnings"]:
+        head.add_row("[yellow]note[/yellow]", w)
+    if req["only_in_a_ids"]:
+        head.add_row("only in A", ", ".join(req["only_in_a_ids"]))
+    if req["only_in_b_ids"]:
+        head.add_row("only in B", ", ".join(req["only_in_b_ids"]))
+    console.print(head)
+
+    t = Table(title="per layer", box=box.SIMPLE_HEAVY)
+    for name in (
+        "layer",
+        "set differs",
+        "share",
+        "top-1 differs",
+        "mean Jaccard",
+        "first to differ",
+    ):
+        t.add_column(name, justify="right")
+    for x in d["layers"]:
+        t.add_row(
+            str(x["layer"]),
+            f"{x['set_differs']:,}",
+            _pct(x["set_mismatch"]),
+            _pct(x["top1_mismatch"]),
+            "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
+            f"{x['first_differing']:,}",
+        )
+    console.print(t)
+
+    hist = d["layers_differing_histogram"]
+    h = Table(title="per token", box=box.SIMPLE_HEAVY)
+    h.add_column("layers differing", justify="right")
+    h.add_column("tokens", justify="right")
+    for n, count in enumerate(hist):
+        if count:
+            h.add_row(str(n), f"{count:,}")
+    console.print(h)
+
+    details = d["request_detail"]
+    if details:
+        r = Table(title="requests that differ", box=box.SIMPLE_HEAVY)
+        for name in (
+            "id",
+            "compared",
+            "left out",
+            "diverge at",
+            "tokens differ",
+            "first",
+            "Jaccard",
+        ):
+            r.add_column(name, justify="left" if name == "id" else "right")
+        for x in details[: limit or None]:
+            r.add_row(
+                x["id"],
+                f"{x['compared_rows']:,}",
+                f"{x['excluded_rows']:,}",
+                "-" if x["tokens_diverge_at"] is None else str(x["tokens_diverge_at"]),
+                f"{x['tokens_with_difference']:,}",
+                "-" if x["first_differing_token"] is None else str(x["first_differing_token"]),
+                "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
+            )
+        console.print(r)

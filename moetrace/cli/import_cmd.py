@@ -1,0 +1,85 @@
+"""``moetrace import``: routed experts returned by vLLM or SGLang, as a moetrace trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from moetrace.errors import MoetraceError
+
+
+def import_command(
+    responses: list[str] = typer.Argument(
+        ..., help="JSON or JSON Lines files of engine responses, or '-' for standard input."
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="Trace file to write (HDF5)."),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="Checkpoint directory (its config.json gives layers, experts, top-k) or 'demo'.",
+    ),
+    engine: str = typer.Option("auto", "--engine", help="auto, vllm, sglang or moetrace."),
+    num_layers: int | None = typer.Option(
+        None, "--num-layers", help="Decoder layers (the engines' layer axis); overrides --model."
+    ),
+    moe_layers: str | None = typer.Option(
+        None, "--moe-layers", help="Decoder layers that route, e.g. 3-60 (default: from config)."
+    ),
+    num_experts: int | None = typer.Option(None, "--num-experts", help="Routed experts per layer."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Experts per token."),
+    name: str | None = typer.Option(None, "--name", help="Model name to record in the trace."),
+    dtype: str = typer.Option(
+        "unknown", "--dtype", help="Compute dtype the engine ran in, for the record."
+    ),
+    allow_missing_tokens: bool = typer.Option(
+        False,
+        "--allow-missing-tokens",
+        help="Store token ids the response lacks as -1 (counts from usage).",
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+) -> None:
+    """Turn vLLM / SGLang responses with routed experts into a trace for inspect and diff.
+
+    vLLM: serve with --enable-return-routed-experts and request with
+    return_token_ids; save each JSON response (or a batch output file).
+    SGLang: --enable-return-routed-experts and return_routed_experts=true.
+
+    Example: moetrace import vllm_out.jsonl --model ~/models/Qwen3-30B-A3B -o vllm.h5
+    """
+    from moetrace.analysis.importers import ENGINES, Importer, model_shape, read_values, sequences
+    from moetrace.trace.writer import TraceWriter
+
+    if engine not in ENGINES:
+        raise MoetraceError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    shape = model_shape(
+        model,
+        num_layers=num_layers,
+        moe_layers=moe_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+        name=name,
+    )
+    importer = Importer(shape, allow_missing_tokens=allow_missing_tokens)
+    settings = {"imported_from": [str(p) for p in responses], "engine": engine}
+    writer = TraceWriter(output, shape.metadata(dtype, settings), overwrite=overwrite)
+    writer.start()
+    ok = False
+    try:
+        for where, value in read_values(responses):
+            for seq in sequences(value, where, engine):
+                writer.submit(importer.request(seq))
+        if importer.count == 0:
+            raise MoetraceError("no responses found in " + ", ".join(responses))
+        ok = True
+    finally:
+        writer.close(complete=ok)
+        if not ok:
+            output.unlink(missing_ok=True)  # all or nothing: an import is cheap to redo
+    note = f", dropped a trailing row in {importer.trimmed}" if importer.trimmed else ""
+    Console(stderr=True).print(
+        f"[green]wrote[/green] {output}: {importer.count} requests from "
+        f"{', '.join(sorted(importer.engines))} responses{note}",
+        highlight=False,
+    )
