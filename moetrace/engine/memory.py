@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moetrace.config import EngineConfig
+from moetrace.distributed.state import get_parallel_state
 from moetrace.engine.context import AttentionMetadata, forward_context
 from moetrace.models.base import MoEForCausalLM
 
@@ -89,9 +90,15 @@ def plan_num_blocks(
     enough_for_all = config.max_num_seqs * -(-max_model_len // config.block_size)
     if device.type != "cuda":
         budget = int(config.cpu_kv_cache_gib * (1 << 30))
-        return max(1, min(enough_for_all, budget // per_block))
+        return _agree(max(1, min(enough_for_all, budget // per_block)))
     peak = profile_peak_activation_bytes(model, config, device, max_model_len)
     _free, total = torch.cuda.mem_get_info(device)
     in_use = torch.cuda.memory_allocated(device)
     budget = int(total * config.gpu_memory_utilization) - in_use - peak - GRAPH_RESERVE_BYTES
-    return max(1, min(enough_for_all, budget // per_block))
+    return _agree(max(1, min(enough_for_all, budget // per_block)))
+
+
+def _agree(num_blocks: int) -> int:
+    """Tensor-parallel ranks share block ids, so they keep as many blocks as the fullest device."""
+    state = get_parallel_state()
+    return num_blocks if state is None else state.comm.min_int(num_blocks)

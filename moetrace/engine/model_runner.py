@@ -17,6 +17,8 @@ from moetrace.capture.capturer import RoutingCapturer
 from moetrace.capture.transfer import RoutingTransfer
 from moetrace.capture.types import RoutedExpertsLists
 from moetrace.config import EngineConfig
+from moetrace.distributed.state import get_parallel_state
+from moetrace.distributed.step_sync import publish_step, share_sampled, wrap_capturer
 from moetrace.engine.context import AttentionMetadata, forward_context
 from moetrace.engine.cuda_graphs import DecodeGraphs
 from moetrace.engine.sampler import SamplingBatch, sample
@@ -70,6 +72,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.dtype = next(model.parameters()).dtype
         self.use_kernels = device.type == "cuda" and config.use_kernels
+        self.parallel = get_parallel_state()  # None unless tensor parallel (then rank 0 drives)
         self._set_kernel_paths()
         # One block past those the block manager hands out: where padding rows write.
         self.scratch_block = num_blocks
@@ -90,11 +93,14 @@ class ModelRunner:
                 device,
                 ring_size=config.capture_ring_size,
             )
+        if self.parallel is not None:
+            self.capturer = wrap_capturer(self.capturer, self.parallel)
         model.set_capturer(self.capturer)
         self.graphs: DecodeGraphs | None = None
         # The plain-torch paths read host-side lengths and counts, which a graph would freeze.
         all_kernel = all(m.use_triton for m in model.modules() if hasattr(m, "use_triton"))
-        if self.use_kernels and all_kernel and not config.enforce_eager:
+        # Tensor parallel runs eager: graphs with collectives inside are untested (docs/distributed.md).
+        if self.use_kernels and all_kernel and not config.enforce_eager and self.parallel is None:
             self.graphs = DecodeGraphs(
                 self, max_batch=min(config.max_num_seqs, config.max_num_batched_tokens)
             )
@@ -132,7 +138,10 @@ class ModelRunner:
         """Queue one step; tokens still being sampled by ``previous`` are read on the device."""
         plan = build_plan(output, self.block_size)
         slot_epochs = block_epochs[plan.slots // self.block_size]
-        fill = self._placeholder_fill(plan, previous)
+        fill_index = self._fill_index(plan, previous)
+        if self.parallel is not None:  # the workers start the same step from its host inputs
+            publish_step(self.parallel, plan, fill_index)
+        fill = self._stage_fill(fill_index, previous)
         if self.transfer is not None:
             self.transfer.fence_before_forward()
         if self.graphs is not None and self.graphs.fits(plan):
@@ -147,6 +156,8 @@ class ModelRunner:
         sampled_device = sampled_host = done = None
         if plan.sampling_requests:
             sampled_device = sample(logits, self._sampling_batch(plan))
+            if self.parallel is not None:  # workers fill their next step's tokens from these
+                share_sampled(self.parallel, sampled_device)
             if self.device.type == "cuda":
                 sampled_host = torch.empty(sampled_device.shape, dtype=torch.int64, pin_memory=True)
                 sampled_host.copy_(sampled_device, non_blocking=True)
@@ -156,10 +167,10 @@ class ModelRunner:
                 sampled_host = sampled_device
         return LaunchedStep(output, plan, routing, sampled_device, sampled_host, done)
 
-    def _placeholder_fill(
+    def _fill_index(
         self, plan: StepPlan, previous: LaunchedStep | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(token positions in this step, rows of the previous step's samples) to copy on device."""
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(token positions in this step, rows of the previous step's samples), on the host."""
         missing = np.flatnonzero(plan.input_ids < 0)
         if missing.size == 0:
             return None
@@ -169,7 +180,15 @@ class ModelRunner:
         seq_of_token = np.searchsorted(plan.query_start, missing, side="right") - 1
         owners = [plan.requests[s].request_id for s in seq_of_token]
         src = np.asarray([row_of[o] for o in owners], dtype=np.int64)
-        dst, src_rows = self.fill_staging.stage([missing.astype(np.int64), src])
+        return missing.astype(np.int64), src
+
+    def _stage_fill(
+        self, index: tuple[np.ndarray, np.ndarray] | None, previous: LaunchedStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fill on the device: positions, and the sampled ids to copy there."""
+        if index is None or previous is None or previous.sampled_device is None:
+            return None
+        dst, src_rows = self.fill_staging.stage(list(index))
         return dst, previous.sampled_device.index_select(0, src_rows)
 
     def staged_inputs(

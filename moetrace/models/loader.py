@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moetrace.distributed.state import get_parallel_state
 from moetrace.errors import ModelError
 from moetrace.models.base import MoEForCausalLM
 from moetrace.models.registry import build_model, resolve_architecture
+from moetrace.models.weights import WeightMap
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -110,7 +112,7 @@ def load_safetensors(model: MoEForCausalLM, path: Path, device: torch.device) ->
                 if name not in expected:
                     continue
                 try:
-                    model.load_weight(name, f.get_tensor(name))
+                    model.load_weight(name, _read_tensor(f, name, model))
                 except ModelError as exc:
                     raise ModelError(f"{file}: {exc}") from None
                 seen.add(name)
@@ -120,8 +122,31 @@ def load_safetensors(model: MoEForCausalLM, path: Path, device: torch.device) ->
         raise ModelError(f"{path}: checkpoint lacks {', '.join(missing[:3])}{more}")
 
 
+def _read_tensor(f, name: str, model: MoEForCausalLM) -> torch.Tensor:
+    """The checkpoint tensor, or under tensor parallelism only this rank's slice of it."""
+    weights = getattr(model, "weights", None)
+    narrow = weights.source_narrow(name) if isinstance(weights, WeightMap) else None
+    if narrow is None:
+        return f.get_tensor(name)
+    dim, start, size, full = narrow
+    piece = f.get_slice(name)
+    shape = piece.get_shape()
+    if len(shape) <= dim or shape[dim] != full:
+        raise ModelError(
+            f"tensor {name!r} has shape {list(shape)}, expected {full} along dim {dim}"
+        )
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(start, start + size)
+    return piece[tuple(index)]
+
+
 def fill_dummy(model: MoEForCausalLM, seed: int, std: float = 0.02) -> None:
-    """Seeded random weights: matrices N(0, std), norm scales 1, biases 0."""
+    """Seeded random weights: matrices N(0, std), norm scales 1, biases 0.
+
+    A tensor-parallel rank draws each split matrix whole and keeps its slice,
+    so its weights are exactly the single-device run's.
+    """
+    shards = getattr(model, "param_shards", None) or {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             device = param.device
@@ -131,6 +156,10 @@ def fill_dummy(model: MoEForCausalLM, seed: int, std: float = 0.02) -> None:
                     param.fill_(1.0)
                 else:
                     param.zero_()
+            elif name in shards:
+                from moetrace.distributed.sharding import fill_full_normal
+
+                fill_full_normal(param, shards[name], std, gen)
             else:
                 param.normal_(0.0, std, generator=gen)
 
@@ -157,7 +186,15 @@ def load_model(
     config = read_config(path)
     resolve_architecture(config, str(path))
     torch_dtype = resolve_dtype(dtype, config, device)
-    model = instantiate(config, str(path), torch_dtype, device)
+    parallel = get_parallel_state()
+    if parallel is None:
+        model = instantiate(config, str(path), torch_dtype, device)
+    else:  # tensor parallel: only this rank's slice of each weight is allocated and read
+        from moetrace.distributed.sharding import instantiate_sharded
+
+        model = instantiate_sharded(
+            config, str(path), torch_dtype, device, parallel.layout, parallel.comm, parallel.sp
+        )
     if load_format == "dummy":
         fill_dummy(model, seed)
     else:

@@ -4,6 +4,8 @@ Our modules fuse what checkpoints keep apart (q/k/v into one projection,
 gate/up into one, experts stacked into one tensor), so each checkpoint name
 maps to a parameter, optionally an expert index, and optionally a row range.
 Shapes are checked on every copy: a mis-shaped tensor is refused by name.
+Under tensor parallelism a target also says which slice of the checkpoint
+tensor this rank keeps (``narrow``), so a rank reads only its own slice.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class Target:
     index: int | None = None
     row_start: int | None = None
     row_count: int | None = None
+    # (dim, start, size, full size along dim): the slice of the checkpoint tensor to keep
+    narrow: tuple[int, int, int, int] | None = None
 
 
 class WeightMap:
@@ -53,10 +57,25 @@ class WeightMap:
             dest = dest[target.row_start : target.row_start + target.row_count]
         return dest
 
+    def source_narrow(self, name: str) -> tuple[int, int, int, int] | None:
+        """The slice of checkpoint tensor ``name`` this model keeps; None for all of it."""
+        target = self.targets.get(name)
+        return None if target is None else target.narrow
+
     def load(self, name: str, tensor: torch.Tensor) -> bool:
         dest = self.destination(name)
         if dest is None:
             return False
+        narrow = self.targets[name].narrow
+        if narrow is not None and tensor.dim() > narrow[0]:
+            dim, start, size, full = narrow
+            if tensor.shape[dim] == full:  # the whole tensor, not a slice read by the loader
+                tensor = tensor.narrow(dim, start, size)
+            elif tensor.shape[dim] != size:
+                raise ModelError(
+                    f"tensor {name!r} has {tensor.shape[dim]} entries along dim {dim}, "
+                    f"expected {full}"
+                )
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelError(
                 f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}"

@@ -1,0 +1,137 @@
+"""Keeping the workers in step with rank 0: one host message per step, one device broadcast.
+
+Rank 0 owns the scheduler.  For each step it sends the workers the step's
+host inputs -- the ``StepPlan`` arrays and, under asynchronous scheduling,
+which input tokens come from the previous step's samples -- over the gloo
+cpu group, before it launches its own forward.  Every rank runs the same
+forward (the all-reduces inside pair up in the same order); rank 0 samples
+and broadcasts the sampled ids on the device, where a worker's next step
+picks up its placeholder tokens without a host round trip.  A ``None``
+message ends the workers' loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from moetrace.capture.capturer import RoutingCapturer
+from moetrace.distributed.sequence_parallel import SequenceParallelCapturer
+from moetrace.distributed.state import ParallelState
+from moetrace.engine.context import forward_context
+from moetrace.engine.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from moetrace.engine.model_runner import ModelRunner
+
+FillIndex = tuple[np.ndarray, np.ndarray]  # (token positions in the step, rows of previous samples)
+
+
+@dataclass
+class StepMessage:
+    """One step's host inputs: everything a worker needs to run rank 0's forward."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    query_start: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_rows: np.ndarray
+    max_query_len: int
+    fill: FillIndex | None
+
+    @classmethod
+    def of(cls, plan: StepPlan, fill: FillIndex | None) -> StepMessage:
+        return cls(
+            plan.input_ids,
+            plan.positions,
+            plan.slots,
+            plan.query_start,
+            plan.seq_lens,
+            plan.block_tables,
+            plan.logits_rows,
+            plan.max_query_len,
+            fill,
+        )
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.logits_rows.shape[0])
+
+    def plan(self) -> StepPlan:
+        """The step as the runner's input staging reads it (workers hold no requests)."""
+        return StepPlan(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            slots=self.slots,
+            query_start=self.query_start,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            logits_rows=self.logits_rows,
+            sampling_requests=[],
+            requests=[],
+            max_query_len=self.max_query_len,
+        )
+
+
+def publish_step(state: ParallelState, plan: StepPlan, fill: FillIndex | None) -> None:
+    """Rank 0: send the step to the workers before launching it."""
+    state.comm.broadcast_object(StepMessage.of(plan, fill))
+
+
+def share_sampled(state: ParallelState, sampled: torch.Tensor) -> None:
+    """Rank 0: the step's sampled ids to every rank, on the device."""
+    state.comm.broadcast_(sampled)
+
+
+def end_steps(state: ParallelState) -> None:
+    """Rank 0: release the workers from their loop."""
+    state.comm.broadcast_object(None)
+
+
+def wrap_capturer(capturer: RoutingCapturer | None, state: ParallelState) -> RoutingCapturer | None:
+    """The capturer the MoE layers call: under sequence parallelism it gathers every rank's ids."""
+    if capturer is None or not state.layout.sequence_parallel:
+        return capturer
+    return SequenceParallelCapturer(capturer, state.comm, state.sp)
+
+
+@torch.inference_mode()
+def run_worker_step(
+    runner: ModelRunner,
+    state: ParallelState,
+    message: StepMessage,
+    previous_sampled: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """A worker's share of one step; returns the step's sampled ids (None if it sampled none).
+
+    The forward stops at the hidden states: rank 0 alone computes logits.
+    """
+    input_ids, positions, meta, _rows = runner.staged_inputs(message.plan())
+    if message.fill is not None:
+        if previous_sampled is None:
+            raise RuntimeError("a step needs tokens that no step in flight is sampling")
+        dst, src = runner.fill_staging.stage(list(message.fill))
+        input_ids.index_copy_(0, dst, previous_sampled.index_select(0, src))
+    with forward_context(meta):
+        runner.model(input_ids, positions)
+    if message.num_sampled == 0:
+        return None
+    sampled = torch.empty(message.num_sampled, dtype=torch.int64, device=runner.device)
+    return state.comm.broadcast_(sampled)
+
+
+def serve_steps(runner: ModelRunner, state: ParallelState) -> int:
+    """A worker's loop: run each step rank 0 sends until it sends ``None``; returns the count."""
+    previous: torch.Tensor | None = None
+    steps = 0
+    while True:
+        message = state.comm.broadcast_object()
+        if message is None:
+            return steps
+        previous = run_worker_step(runner, state, message, previous)
+        steps += 1
