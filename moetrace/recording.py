@@ -2,14 +2,20 @@
 
 Kept apart from the CLI so that Python callers (and tests) run exactly what
 ``moetrace record`` runs.  Prompt files are checked in full (JSON, fields,
-tokenization, lengths) before the model's weights load, so a typo on line
-80,000 costs a second, not hours.  Standard input is a stream: a bad line
+tokenization, lengths, KV cache room) before anything is written, so a typo on
+line 80,000 costs a second, not hours.  Standard input is a stream: a bad line
 there stops intake, the requests in flight finish into the file, and the
 error is raised after the file is closed.
+
+Whatever ends a run early (input error, signal, disk full, a bug), every
+request that finished is in the file and the file is closed with ``complete``
+false and an ``end_reason``; ``resume=True`` continues such a file and skips
+the ids it holds (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,14 +25,20 @@ import torch
 
 from moetrace import __version__
 from moetrace.config import EngineConfig
+from moetrace.distributed.shards import select_shard, shard_settings
+from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.engine.sampling import SamplingParams
-from moetrace.errors import InputError, ModelError, MoetraceError
-from moetrace.models.loader import load_model, read_config
+from moetrace.errors import CapacityError, InputError, ModelError, MoetraceError
+from moetrace.intake import Intake
+from moetrace.models.demo import model_dir
+from moetrace.models.loader import config_digest, load_model, read_config, resolve_dtype
 from moetrace.models.registry import resolve_architecture
 from moetrace.prompts import STDIN, PromptSpec, iter_prompts
-from moetrace.tokenizer import ByteTokenizer, Tokenizer
+from moetrace.signals import GracefulStop, Interrupted, StopNow, signal_name
+from moetrace.tokenizer import Tokenizer
 from moetrace.trace.metadata import TraceMetadata
+from moetrace.trace.resume import ResumePoint, check_settings, open_resume_point, result_settings
 from moetrace.trace.writer import TraceWriter
 
 
@@ -59,13 +71,46 @@ class SamplingDefaults:
 @dataclass
 class RecordResult:
     path: Path
-    requests: int = 0
+    requests: int = 0  # finished and handed to the writer in this run
     rows: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
     elapsed_s: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     skipped: list[InputError] = field(default_factory=list)
+    kept: int = 0  # requests already in the trace (resume)
+    dropped_in_flight: int = 0  # unfinished when the run stopped early; a resume redoes them
+
+
+def check_supported(*, pipeline_parallel_size: int = 1, cpu_offload_gb: float = 0.0) -> None:
+    """Refuse, at start, vLLM options that routing capture cannot honour.
+
+    vLLM refuses both with routed-experts capture: with pipeline parallelism no
+    single worker sees every MoE layer's routing for a token, and offloaded
+    weights run outside the layers that capture.  Every layer stays on every
+    device (one, or a tensor-parallel group).
+    """
+    if pipeline_parallel_size < 1:
+        raise MoetraceError(
+            f"--pipeline-parallel-size must be at least 1, got {pipeline_parallel_size}"
+        )
+    if pipeline_parallel_size > 1:
+        raise MoetraceError(
+            f"--pipeline-parallel-size {pipeline_parallel_size}: routing capture does not support "
+            "pipeline parallelism (vLLM refuses it too); split a model too big for one device "
+            "with --tensor-parallel-size"
+        )
+    if cpu_offload_gb < 0:
+        raise MoetraceError(f"--cpu-offload-gb must be >= 0, got {cpu_offload_gb}")
+    if cpu_offload_gb > 0:
+        raise MoetraceError(
+            f"--cpu-offload-gb {cpu_offload_gb:g}: routing capture does not support CPU weight "
+            "offload (vLLM refuses it too); use --device cpu to run entirely on the CPU"
+        )
+
+
+def _input_error_dict(err: InputError) -> dict:
+    return {"source": err.source, "line": err.line, "field": err.field, "problem": err.problem}
 
 
 ProgressCallback = Callable[[RecordResult, int | None], None]
@@ -81,20 +126,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_tokenizer(model: str) -> Tokenizer | ByteTokenizer | None:
-    if model == "demo":
-        return ByteTokenizer()
-    path = Path(model).expanduser()
+def load_tokenizer(model: str) -> Tokenizer | None:
+    path = model_dir(model)
     if not (path / "tokenizer.json").exists():
         return None
     return Tokenizer.from_dir(path)
 
 
 def model_context_length(model: str, config: dict, max_model_len: int | None) -> int:
-    if model == "demo":
-        from moetrace.models.demo import DEMO_CONFIG
-
-        config = DEMO_CONFIG
     limit = int(config.get("max_position_embeddings", 32768))
     return min(limit, max_model_len) if max_model_len else limit
 
@@ -115,6 +154,15 @@ def prompt_token_ids(spec: PromptSpec, tokenizer, source: str) -> list[int]:
     return tokenizer.encode(spec.text or "")
 
 
+@dataclass
+class _Largest:
+    """The request that needs the most KV cache, to refuse a too-small cache before any work."""
+
+    tokens: int = 0
+    request_id: str = ""
+    where: str = ""
+
+
 class Recording:
     """Everything one ``record`` run needs, opened in the order that fails fastest."""
 
@@ -131,8 +179,18 @@ class Recording:
         load_format: str = "auto",
         overwrite: bool = False,
         skip_invalid: bool = False,
+        resume: bool = False,
+        flush_interval_s: float = 5.0,
+        flush_every_requests: int = 64,
+        num_shards: int = 1,
+        shard_index: int = 0,
+        extra_settings: dict | None = None,
     ) -> None:
         engine.validate()
+        if resume and overwrite:
+            raise MoetraceError("--resume and --overwrite exclude each other")
+        if flush_interval_s <= 0 or flush_every_requests < 1:
+            raise MoetraceError("--flush-interval must be > 0 and --flush-every at least 1")
         self.model_name = model
         self.engine_config = engine
         self.sampling = sampling
@@ -142,26 +200,72 @@ class Recording:
         self.load_format = load_format
         self.overwrite = overwrite
         self.skip_invalid = skip_invalid
+        self.flush_interval_s = flush_interval_s
+        self.flush_every_requests = flush_every_requests
+        # Data-parallel shard (moetrace/distributed/shards.py) and settings recorded beside the
+        # engine's (tensor parallelism, shard): kept in the trace, not compared on --resume.
+        self.num_shards = num_shards
+        self.extra_settings = dict(extra_settings or {})
+        if num_shards > 1:
+            self.extra_settings.update(shard_settings(num_shards, shard_index))
+        self.resume = resume and self.output.exists()
         self._check_output()
-        self.reader = iter_prompts(prompts, skip_invalid=skip_invalid)
+        self.reader = select_shard(
+            iter_prompts(prompts, skip_invalid=skip_invalid), num_shards, shard_index
+        )
         self.source = self.reader.source
         self.streaming = prompts == STDIN
-        self.config = {} if model == "demo" else read_config(Path(model).expanduser())
-        if model != "demo":
-            resolve_architecture(self.config, model)
+        self.config = read_config(model_dir(model))
+        resolve_architecture(self.config, model)
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = model_context_length(model, self.config, engine.max_model_len)
-        self.total: int | None = None
+        self.resume_point: ResumePoint | None = None
+        if self.resume:
+            self.resume_point = open_resume_point(self.output, self._expected_settings())
+        self._largest = _Largest()
+        self.total: int | None = None  # requests this run will record, when known
+        self.expected_requests: int | None = None  # valid requests in the input, when known
         if not self.streaming:
             self.total = self._prevalidate()
 
     def _check_output(self) -> None:
         out = self.output
-        if out.exists() and not self.overwrite:
-            raise MoetraceError(f"{out} already exists (pass --overwrite to replace it)")
+        if out.is_dir():
+            raise MoetraceError(f"cannot write {out}: it is a directory")
+        if out.exists() and not (self.overwrite or self.resume):
+            raise MoetraceError(
+                f"{out} already exists (pass --resume to continue it or --overwrite to replace it)"
+            )
         parent = out.parent if str(out.parent) else Path(".")
         if not parent.is_dir():
             raise MoetraceError(f"cannot write {out}: no such directory {parent}")
+        if not os.access(out if out.exists() else parent, os.W_OK):
+            raise MoetraceError(f"cannot write {out}: permission denied")
+
+    def _expected_settings(self) -> dict:
+        """What this run will record with, known before the weights load (for --resume)."""
+        config = self.config
+        dtype = resolve_dtype(self.dtype, config, self.device)
+        return result_settings(
+            config_digest(config),
+            str(dtype).removeprefix("torch."),
+            self._engine_settings(self.max_model_len, None),
+        )
+
+    def _effective_load_format(self) -> str:
+        """auto and safetensors load the same weights; only dummy differs."""
+        return "dummy" if self.load_format == "dummy" else "safetensors"
+
+    def _engine_settings(self, max_model_len: int, num_kv_blocks: int | None) -> dict:
+        return {
+            **self.engine_config.to_dict(),
+            "device": self.device.type,
+            "load_format": self._effective_load_format(),
+            "sampling_defaults": self.sampling.__dict__,
+            "max_model_len": max_model_len,
+            "num_kv_blocks": num_kv_blocks,
+            **self.extra_settings,
+        }
 
     def _check_spec(self, spec: PromptSpec) -> tuple[list[int], SamplingParams]:
         ids = prompt_token_ids(spec, self.tokenizer, self.source)
@@ -196,32 +300,52 @@ class Recording:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len}",
             )
+        need = n + params.max_tokens - 1  # KV slots: the last sampled token is never run
+        if need > self._largest.tokens:
+            self._largest = _Largest(need, spec.id, f"{self.source}:{spec.line}")
         return ids, params
 
     def _vocab_size(self) -> int:
-        if self.model_name == "demo":
-            from moetrace.models.demo import DEMO_CONFIG
-
-            return DEMO_CONFIG["vocab_size"]
         return int(self.config["vocab_size"])
 
+    def _already_recorded(self, spec: PromptSpec, ids: list[int]) -> bool:
+        point = self.resume_point
+        return point is not None and point.check_prompt(spec.id, ids, f"{self.source}:{spec.line}")
+
     def _prevalidate(self) -> int:
-        count = 0
+        """Check every line; returns how many requests this run has to record."""
+        valid = todo = 0
+        seen: set[str] = set()
         for spec in self.reader:
             try:
-                self._check_spec(spec)
+                ids, _ = self._check_spec(spec)
             except InputError as err:
                 if not self.skip_invalid:
                     raise
                 self.reader.errors.append(err)
                 continue
-            count += 1
-        return count
+            valid += 1
+            seen.add(spec.id)
+            if not self._already_recorded(spec, ids):
+                todo += 1
+        if valid == 0 and self.num_shards == 1:  # a shard of a short input may hold nothing
+            raise self._nothing_valid(self.reader.errors)
+        point = self.resume_point
+        if point is not None:
+            stray = next((rid for rid in point.prompts if rid not in seen), None)
+            if stray is not None:
+                raise MoetraceError(
+                    f"cannot resume {self.output}: it holds request {stray!r}, which {self.source} "
+                    "does not (resume with the same prompts)"
+                )
+        self.expected_requests = valid
+        return todo
 
     def _specs(
         self, errors: list[InputError]
     ) -> Iterator[tuple[PromptSpec, list[int], SamplingParams]]:
-        """Valid prompts with their token ids; with skip_invalid, bad ones go to ``errors``."""
+        """Valid prompts not yet recorded; with skip_invalid, bad ones go to ``errors``."""
+        valid = 0
         for spec in self.reader:
             try:
                 ids, params = self._check_spec(spec)
@@ -230,8 +354,37 @@ class Recording:
                     raise
                 errors.append(err)
                 continue
+            valid += 1
+            if self._already_recorded(spec, ids):
+                continue
             yield spec, ids, params
         errors.extend(e for e in self.reader.errors if e not in errors)
+        if valid == 0 and self.num_shards == 1:  # a shard of a short input may hold nothing
+            raise self._nothing_valid(errors)
+
+    def _nothing_valid(self, errors: list[InputError]) -> InputError:
+        """Every line was skipped: as the parser says when none parses, a run has nothing to do."""
+        first = min(errors, key=lambda err: err.line or 0)
+        n = len(errors)
+        return InputError(
+            self.source,
+            None,
+            None,
+            f"contains no valid prompts ({n} invalid line{'s' if n != 1 else ''} skipped; "
+            f"first: {first})",
+        )
+
+    def _check_kv_capacity(self, engine: LLMEngine) -> None:
+        """A request that can never fit would stop the run midway: refuse it before any work."""
+        largest = self._largest
+        bs = engine.config.block_size
+        blocks = engine.block_manager.num_blocks
+        if largest.tokens and -(-largest.tokens // bs) > blocks:
+            raise CapacityError(
+                f"KV cache too small: {blocks} blocks of {bs} tokens hold {blocks * bs} tokens, "
+                f"request {largest.request_id!r} ({largest.where}) needs {largest.tokens} "
+                "(prompt + max_tokens - 1); raise --num-kv-blocks or lower --max-tokens"
+            )
 
     def metadata(self, engine: LLMEngine, architecture: str, digest: str) -> TraceMetadata:
         model = engine.model
@@ -246,18 +399,42 @@ class Recording:
             vocab_size=model.vocab_size,
             tokenizer=None if self.tokenizer is None else self.tokenizer.path,
             dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-            engine_settings={
-                **self.engine_config.to_dict(),
-                "device": self.device.type,
-                "load_format": self.load_format,
-                "sampling_defaults": self.sampling.__dict__,
-                "max_model_len": engine.max_model_len,
-                "num_kv_blocks": engine.block_manager.num_blocks,
-            },
+            engine_settings=self._engine_settings(
+                engine.max_model_len, engine.block_manager.num_blocks
+            ),
             moetrace_version=__version__,
         )
 
-    def run(self, progress: ProgressCallback | None = None) -> RecordResult:
+    def _writer(self, metadata: TraceMetadata) -> TraceWriter:
+        point = self.resume_point
+        if point is not None:  # the loaded model, not only the arguments, must match
+            actual = result_settings(
+                metadata.config_digest, metadata.dtype, metadata.engine_settings
+            )
+            check_settings(self.output, point.settings, actual)
+        return TraceWriter(
+            self.output,
+            metadata,
+            overwrite=self.overwrite,
+            append=point is not None,
+            keep_requests=None if point is None else point.keep_requests,
+            expected_requests=self.expected_requests,
+            flush_interval_s=self.flush_interval_s,
+            flush_every_requests=self.flush_every_requests,
+        )
+
+    def _skipped_inputs(self, errors: list[InputError]) -> list[dict]:
+        """This run's skipped lines, merged with those a resumed trace already listed."""
+        merged = {}
+        earlier = self.resume_point.skipped_inputs if self.resume_point else []
+        for item in [*earlier, *map(_input_error_dict, errors)]:
+            merged[(item.get("source"), item.get("line"))] = item
+        return sorted(merged.values(), key=lambda item: (str(item["source"]), item["line"] or 0))
+
+    def run(
+        self, progress: ProgressCallback | None = None, stop: GracefulStop | None = None
+    ) -> RecordResult:
+        """Record every prompt; ``stop`` (armed once the file is open) ends the run early."""
         loaded = load_model(
             self.model_name,
             device=self.device,
@@ -269,53 +446,116 @@ class Recording:
         if not eos and loaded.config.get("eos_token_id") is not None:
             value = loaded.config["eos_token_id"]
             eos = tuple(value) if isinstance(value, list) else (int(value),)
+        configure_cpu_threads(loaded.model, self.device)
         engine = LLMEngine(loaded.model, self.engine_config, self.device, eos_token_ids=eos)
+        self._check_kv_capacity(engine)
         architecture = loaded.model.architecture
-        writer = TraceWriter(
-            self.output,
-            self.metadata(engine, architecture, loaded.config_digest),
-            overwrite=self.overwrite,
-        )
+        writer = self._writer(self.metadata(engine, architecture, loaded.config_digest))
         result = RecordResult(self.output)
         window = max(2 * self.engine_config.max_num_seqs, 64)
         errors: list[InputError] = []
-        specs = self._specs(errors)
+        intake = Intake(self._specs(errors), threaded=self.streaming, read_ahead=window)
         pending_error: BaseException | None = None
+        interrupted: int | None = None
         exhausted = False
         start = time.perf_counter()
+        stop = stop or GracefulStop()  # never installed: only polled
+        stop.arm()  # from here a signal ends the loop and the file is closed cleanly
         writer.start()
+        result.kept = writer.kept_requests
         complete = False
+        end_reason = "error"
         try:
-            while True:
-                while not exhausted and engine.num_unfinished < window:
-                    try:
-                        spec, ids, params = next(specs)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    except InputError as err:  # streaming input: stop intake, keep what runs
-                        pending_error, exhausted = err, True
-                        break
-                    try:
-                        engine.add_request(spec.id, ids, params, index=spec.index)
-                    except RequestRejected as err:
-                        raise InputError(self.source, spec.line, err.field, err.problem) from None
+            while not stop.requested:
+                if not exhausted:
+                    exhausted, pending_error = self._feed(engine, intake, stop, window, errors)
                 if not engine.has_unfinished():
-                    break
+                    if exhausted:
+                        break
+                    continue
                 for finished in engine.step():
                     writer.submit(finished)
                     _count(result, finished)
                 if progress is not None:
                     result.elapsed_s = time.perf_counter() - start
                     progress(result, self.total)
-            complete = pending_error is None
+            if not (exhausted and not engine.has_unfinished()):
+                interrupted = stop.signum
+            complete = pending_error is None and interrupted is None
+            if interrupted is not None:
+                end_reason = f"interrupted by {signal_name(interrupted)}"
+            elif pending_error is not None:
+                end_reason = f"input error: {pending_error}"
+            else:
+                end_reason = "complete"
+        except BaseException as exc:
+            end_reason = f"error: {_one_line(exc)}"
+            raise
         finally:
             result.elapsed_s = time.perf_counter() - start
-            result.skipped = errors
-            writer.close(complete=complete)
+            result.skipped = sorted(errors, key=lambda err: err.line or 0)
+            result.dropped_in_flight = engine.num_unfinished
+            writer.close(
+                complete=complete,
+                end_reason=end_reason,
+                skipped_inputs=self._skipped_inputs(errors),
+            )
+        if interrupted is not None:
+            raise Interrupted(interrupted, self._interrupted_message(interrupted, result, writer))
         if pending_error is not None:
             raise pending_error
         return result
+
+    def _feed(
+        self,
+        engine: LLMEngine,
+        intake: Intake,
+        stop: GracefulStop,
+        window: int,
+        errors: list[InputError],
+    ) -> tuple[bool, BaseException | None]:
+        """Add what is ready, up to ``window`` requests in the engine; waits only if it is idle.
+
+        Returns (intake ended, the error that ended it).  A stop signal while
+        waiting returns at once with the intake still open.
+        """
+        while engine.num_unfinished < window:
+            try:
+                with stop.interruptible():
+                    item = intake.take(block=not engine.has_unfinished())
+            except StopNow:
+                return False, None
+            except StopIteration:
+                return True, None
+            except InputError as err:  # streaming input: stop intake, keep what runs
+                return True, err
+            if item is None:
+                return False, None
+            spec, ids, params = item
+            try:
+                engine.add_request(spec.id, ids, params, index=spec.index)
+            except RequestRejected as err:
+                bad = InputError(self.source, spec.line, err.field, err.problem)
+                if not self.skip_invalid:
+                    return True, bad
+                errors.append(bad)
+            except CapacityError as err:
+                return True, CapacityError(f"{self.source}:{spec.line}: {err}")
+        return False, None
+
+    def _interrupted_message(self, signum: int, result: RecordResult, writer: TraceWriter) -> str:
+        held = writer.flushed_requests
+        kept = f", {result.kept} from before" if result.kept else ""
+        return (
+            f"interrupted by {signal_name(signum)}: {self.output} holds {held} finished requests "
+            f"({result.requests} from this run{kept}); {result.dropped_in_flight} in flight were "
+            "dropped; marked incomplete, rerun with --resume to finish"
+        )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _count(result: RecordResult, finished) -> None:

@@ -7,8 +7,13 @@ import sys
 import typer
 
 from moetrace import __version__
+from moetrace.cli.diff_cmd import diff_command
+from moetrace.cli.export_cmd import export_command
+from moetrace.cli.import_cmd import import_command
 from moetrace.cli.inspect_cmd import inspect_command
+from moetrace.cli.merge_cmd import merge_command
 from moetrace.cli.record_cmd import record_command
+from moetrace.cli.verify_cmd import verify_command
 from moetrace.errors import MoetraceError
 
 app = typer.Typer(
@@ -21,6 +26,11 @@ app = typer.Typer(
 )
 app.command("record", no_args_is_help=True)(record_command)
 app.command("inspect", no_args_is_help=True)(inspect_command)
+app.command("export", no_args_is_help=True)(export_command)
+app.command("diff", no_args_is_help=True)(diff_command)
+app.command("import", no_args_is_help=True)(import_command)
+app.command("merge", no_args_is_help=True)(merge_command)
+app.command("verify", no_args_is_help=True)(verify_command)
 
 
 def _version(value: bool) -> None:
@@ -41,7 +51,8 @@ def _root(
 def main() -> None:
     """Console entry point: user errors become one line on stderr, exit code 2... or 1."""
     try:
-        app(standalone_mode=False)
+        # Outside standalone mode click returns a command's typer.Exit code instead of exiting.
+        code = app(standalone_mode=False)
     except MoetraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -60,6 +71,8 @@ def main() -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

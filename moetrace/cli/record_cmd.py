@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetrace.config import EngineConfig
+from moetrace.distributed.launch import (
+    TensorParallelDriver,
+    is_torchrun_worker,
+    parallel_settings,
+    prepare_parallel,
+    run_torchrun_worker,
+    worker_spec,
+)
+from moetrace.errors import MoetraceError
 from moetrace.models.registry import supported_architectures
-from moetrace.recording import Recording, RecordResult, SamplingDefaults
+from moetrace.recording import Recording, RecordResult, SamplingDefaults, check_supported
+from moetrace.signals import GracefulStop, Interrupted
+from moetrace.trace.writer import unclosed_traces
 
 _SUPPORTED = ", ".join(supported_architectures())
 
@@ -64,18 +78,76 @@ def record_command(
         "--gpu-memory-utilization",
         help="Share of GPU memory for weights, activations and KV cache.",
     ),
+    pipeline_parallel_size: int = typer.Option(
+        1,
+        "--pipeline-parallel-size",
+        help="Only 1: routing capture needs every MoE layer in one pipeline stage.",
+    ),
+    cpu_offload_gb: float = typer.Option(
+        0.0, "--cpu-offload-gb", help="Only 0: routing capture does not support weight offload."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue OUTPUT: skip the request ids it holds, append the rest "
+        "(model and sampling settings must match).",
+    ),
     skip_invalid: bool = typer.Option(
         False,
         "--skip-invalid",
-        help="Skip bad prompt lines (reported at the end) instead of stopping.",
+        help="Skip bad prompt lines (reported at the end and in the trace) instead of stopping.",
     ),
+    flush_interval: float = typer.Option(
+        5.0, "--flush-interval", help="Seconds between flushes: the most a crash can lose."
+    ),
+    flush_every: int = typer.Option(64, "--flush-every", help="Finished requests between flushes."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    tensor_parallel_size: int | None = typer.Option(
+        None,
+        "--tensor-parallel-size",
+        "-tp",
+        help="Devices to split the model over, one process each (default: 1, or torchrun's "
+        "process count). See docs/distributed.md.",
+    ),
+    enable_expert_parallel: bool = typer.Option(
+        False,
+        "--enable-expert-parallel",
+        help="With tensor parallelism: whole experts per rank instead of a slice of each.",
+    ),
+    sequence_parallel_moe: bool = typer.Option(
+        False,
+        "--sequence-parallel-moe",
+        help="With tensor parallelism: each rank routes a slice of the tokens; capture gathers.",
+    ),
+    num_shards: int = typer.Option(
+        1, "--num-shards", help="Data-parallel shards of the prompts (one run per shard)."
+    ),
+    shard_index: int = typer.Option(
+        0, "--shard-index", help="Which shard this run records: prompts with index % K == i."
+    ),
 ) -> None:
     """Run PROMPTS through MODEL and record every token's routed experts into OUTPUT.
 
+    Ctrl-C or SIGTERM stops early: finished requests are kept, the trace is
+    closed (marked incomplete) and --resume finishes it later.
+
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
+    check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
+    parallel = prepare_parallel(
+        model,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
+        sequence_parallel_moe=sequence_parallel_moe,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        device=device,
+        dtype=dtype,
+    )
+    if is_torchrun_worker(parallel):  # torchrun rank > 0: serve rank 0, write and print nothing
+        run_torchrun_worker(parallel, device)
+        return
     engine = EngineConfig(
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
@@ -85,6 +157,7 @@ def record_command(
         enable_prefix_caching=enable_prefix_caching,
         gpu_memory_utilization=gpu_memory_utilization,
         seed=seed,
+        enforce_eager=parallel.enabled,  # tensor parallel runs without decode graphs
     )
     sampling = SamplingDefaults(
         max_tokens=max_tokens,
@@ -95,28 +168,43 @@ def record_command(
     )
     _check_sampling(sampling)
     console = Console(stderr=True)
-    recording = Recording(
-        model,
-        prompts,
-        output,
-        engine=engine,
-        sampling=sampling,
-        device=device,
-        dtype=dtype,
-        load_format=load_format,
-        overwrite=overwrite,
-        skip_invalid=skip_invalid,
-    )
-    if quiet:
-        result = recording.run()
-    else:
-        result = _run_with_progress(recording, console)
+    with GracefulStop() as stop, TensorParallelDriver(parallel, device) as driver:
+        try:
+            recording = Recording(
+                model,
+                prompts,
+                output,
+                engine=engine,
+                sampling=sampling,
+                device=device,
+                dtype=dtype,
+                load_format=load_format,
+                overwrite=overwrite,
+                skip_invalid=skip_invalid,
+                resume=resume,
+                flush_interval_s=flush_interval,
+                flush_every_requests=flush_every,
+                num_shards=num_shards,
+                shard_index=shard_index,
+                extra_settings=parallel_settings(parallel),
+            )
+            driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0
+            if quiet:
+                result = recording.run(stop=stop)
+            else:
+                result = _run_with_progress(recording, console, stop)
+        except Interrupted as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise typer.Exit(exc.exit_code) from None
+        except MoetraceError as exc:
+            if unclosed_traces():  # HDF5 is wedged: a normal exit would crash inside it
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                os._exit(1)
+            raise
     _summarise(result, console)
 
 
 def _check_sampling(sampling: SamplingDefaults) -> None:
-    from moetrace.errors import MoetraceError
-
     if sampling.max_tokens < 1:
         raise MoetraceError(f"--max-tokens must be at least 1, got {sampling.max_tokens}")
     if sampling.temperature < 0:
@@ -125,7 +213,7 @@ def _check_sampling(sampling: SamplingDefaults) -> None:
         raise MoetraceError(f"--top-p must be in (0, 1], got {sampling.top_p}")
 
 
-def _run_with_progress(recording: Recording, console: Console) -> RecordResult:
+def _run_with_progress(recording: Recording, console: Console, stop: GracefulStop) -> RecordResult:
     columns = (
         TextColumn("[bold]recording"),
         BarColumn(),
@@ -142,16 +230,29 @@ def _run_with_progress(recording: Recording, console: Console) -> RecordResult:
             rate = result.output_tokens / result.elapsed_s if result.elapsed_s else 0.0
             bar.update(task, completed=result.requests, total=total, rate=rate, rows=result.rows)
 
-        return recording.run(progress=update)
+        return recording.run(progress=update, stop=stop)
 
 
 def _summarise(result: RecordResult, console: Console) -> None:
     rate = result.output_tokens / result.elapsed_s if result.elapsed_s else 0.0
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(result.finish_reasons.items()))
+    kept = f" (after {result.kept} kept from before)" if result.kept else ""
     console.print(
-        f"[green]wrote[/green] {result.path}: {result.requests} requests ({reasons or 'none'}), "
-        f"{result.rows:,} routing rows, {result.prompt_tokens:,} prompt + {result.output_tokens:,} "
-        f"output tokens in {result.elapsed_s:.1f} s ({rate:,.0f} output tok/s)"
+        f"[green]wrote[/green] {escape(str(result.path))}: {result.requests} requests{kept} "
+        f"({reasons or 'none'}), {result.rows:,} routing rows, {result.prompt_tokens:,} prompt + "
+        f"{result.output_tokens:,} output tokens in {result.elapsed_s:.1f} s "
+        f"({rate:,.0f} output tok/s)",
+        highlight=False,
+        soft_wrap=True,
     )
     for err in result.skipped:
-        console.print(f"[yellow]skipped[/yellow] {err}")
+        console.print(
+            f"[yellow]skipped[/yellow] {escape(str(err))}", highlight=False, soft_wrap=True
+        )
+    if result.skipped:
+        console.print(
+            f"[yellow]{len(result.skipped)} invalid line(s) skipped[/yellow] "
+            "(listed in the trace's skipped_inputs attribute)",
+            highlight=False,
+            soft_wrap=True,
+        )

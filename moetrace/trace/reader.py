@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,16 +17,12 @@ import h5py
 import numpy as np
 
 from moetrace.errors import MoetraceError
+from moetrace.trace.integrity import expected_num_rows, request_checksum
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
-from moetrace.trace.writer import (
-    REQUESTS,
-    ROUTED_EXPERTS,
-    TOKEN_IDS,
-    expected_num_rows,
-    request_checksum,
-)
+from moetrace.trace.writer import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
 
 ITER_ROWS = 65536  # rows read at once when streaming (a few tens of MB for big models)
+ITER_TOKENS = 1 << 22  # token ids read at once (16 MiB)
 
 
 @dataclass
@@ -110,17 +106,24 @@ class Trace:
         self._reason_names = {
             code: name for name, code in h5py.check_enum_dtype(table.dtype["finish_reason"]).items()
         }
+        self.complete = bool(self.metadata.get("complete", False))
+        unreadable = 0
         try:
             records = table[:]
         except (OSError, ValueError) as exc:
-            raise MoetraceError(f"cannot read the request table of {self.path}: {exc}") from None
+            if self.complete:
+                message = " ".join(str(exc).split())
+                raise MoetraceError(
+                    f"cannot read the request table of {self.path}: {message}"
+                ) from None
+            records = _readable_prefix(table)
+            unreadable = table.shape[0] - len(records)
         for name in ("id", "extra"):
             records[name] = [s.decode() if isinstance(s, bytes) else s for s in records[name]]
-        self.complete = bool(self.metadata.get("complete", False))
-        self.num_dropped = 0  # records at the tail left out because their data is not on disk
+        self.num_dropped = unreadable  # tail records left out: their data is not on disk
         if not self.complete:
             good = self._trusted_prefix(records)
-            self.num_dropped = len(records) - good
+            self.num_dropped += len(records) - good
             records = records[:good]
         self._table = records
         self._row_end = records["row_start"] + records["num_rows"]
@@ -144,6 +147,11 @@ class Trace:
     def num_rows(self) -> int:
         """Rows that belong to requests (a killed run may leave a few more in the dataset)."""
         return int(self._row_end[-1]) if len(self._row_end) else 0
+
+    @property
+    def num_stored_rows(self) -> int:
+        """Rows in the dataset, including any a killed run left after the last record."""
+        return int(self._routed.shape[0])
 
     @property
     def num_tokens(self) -> int:
@@ -241,6 +249,22 @@ class Trace:
             extra=json.loads(rec["extra"]) if rec["extra"] else {},
         )
 
+    def iter_prompt_tokens(self) -> Iterator[tuple[str, np.ndarray]]:
+        """``(id, prompt_token_ids)`` of every request, reading token ids only (no rows)."""
+        t = self._table
+        starts, ends = t["token_start"], self._token_end
+        i = 0
+        while i < len(t):
+            j = i + 1
+            while j < len(t) and ends[j] - starts[i] <= ITER_TOKENS:
+                j += 1
+            t0 = int(starts[i])
+            tokens = self._tokens[t0 : max(t0, int(ends[j - 1]))]
+            for p in range(i, j):
+                s0 = int(starts[p]) - t0
+                yield t["id"][p], tokens[s0 : s0 + int(t["prompt_len"][p])]
+            i = j
+
     def iter_row_chunks(self, chunk_rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """``(row_start, rows)`` over every request row, in slices aligned to the file's chunks."""
         if chunk_rows is None:
@@ -252,26 +276,37 @@ class Trace:
 
     # -- integrity -----------------------------------------------------------
 
-    def verify(self) -> list[str]:
-        """Check offsets, row counts, expert ids and every checksum; one line per problem."""
+    def verify(
+        self, *, report_dropped: bool = True, progress: Callable[[], None] | None = None
+    ) -> list[str]:
+        """Check offsets, row counts, expert ids and every checksum; one line per problem.
+
+        ``report_dropped`` adds a line for tail records left out on open (what a
+        killed run leaves; ``moetrace verify`` reports that as incompleteness).
+        ``progress`` is called after each request checked (a watchdog's heartbeat).
+        """
+        beat = progress or (lambda: None)
         problems = []
-        if self.num_dropped:
+        if self.num_dropped and report_dropped:
             problems.append(
                 f"{self.num_dropped} record(s) at the end are not backed by data "
                 "(interrupted write) and are left out"
             )
         t = self._table
-        csr_rows = np.concatenate([[0], np.cumsum(t["num_rows"])])[: len(t)]
-        csr_tokens = np.concatenate([[0], np.cumsum(t["prompt_len"] + t["output_len"])])[: len(t)]
-        layout = [self._layout_problem(rec) for rec in t]
-        for i in np.flatnonzero((t["row_start"] != csr_rows) | (t["token_start"] != csr_tokens)):
-            layout[i] = layout[i] or "offsets are not the running sums of the lengths before it"
-        for req in self:  # batched reads: one slice per many requests
-            i = req.position
-            tokens = np.concatenate([req.prompt_token_ids, req.output_token_ids])
-            problem = layout[i] or self._data_problem(t[i], req.routed_experts, tokens)
-            if problem:
-                problems.append(f"request {i} ({req.id!r}): {problem}")
+        layout = self.layout_problems()
+        found: dict[int, str] = {}
+        try:
+            for req in self:  # batched reads: one slice per many requests
+                i = req.position
+                tokens = np.concatenate([req.prompt_token_ids, req.output_token_ids])
+                problem = layout[i] or self._data_problem(t[i], req.routed_experts, tokens)
+                if problem:
+                    found[i] = problem
+                beat()
+        except OSError:
+            # A chunk that cannot be read: check one record at a time to name each one hit.
+            found = {i: p for i in range(len(t)) if (p := layout[i] or self._record_problem(t[i]))}
+        problems += [f"request {i} ({t[i]['id']!r}): {p}" for i, p in sorted(found.items())]
         extents = (self._routed.shape[0], self._tokens.shape[0])
         if self.complete and extents != (self.num_rows, self.num_tokens):
             problems.append(
@@ -279,6 +314,16 @@ class Trace:
                 f"records account for {self.num_rows} and {self.num_tokens}"
             )
         return problems
+
+    def layout_problems(self) -> list[str]:
+        """Per record, what is wrong with its counts and offsets ("" if nothing); reads no data."""
+        t = self._table
+        csr_rows = np.concatenate([[0], np.cumsum(t["num_rows"])])[: len(t)]
+        csr_tokens = np.concatenate([[0], np.cumsum(t["prompt_len"] + t["output_len"])])[: len(t)]
+        layout = [self._layout_problem(rec) for rec in t]
+        for i in np.flatnonzero((t["row_start"] != csr_rows) | (t["token_start"] != csr_tokens)):
+            layout[i] = layout[i] or "offsets are not the running sums of the lengths before it"
+        return layout
 
     def _layout_problem(self, rec: np.void) -> str:
         """What is wrong with a record's counts and offsets ("" if nothing); reads no data."""
@@ -324,6 +369,24 @@ class Trace:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+
+
+def _readable_prefix(table: h5py.Dataset) -> np.ndarray:
+    """The longest readable start of the request table.
+
+    A write that failed inside HDF5 (disk full) can leave the last flush's
+    records pointing at string storage past the end of the file; everything
+    flushed before them still reads.
+    """
+    lo, hi = 0, table.shape[0]  # table[:lo] reads, table[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            table[:mid]
+            lo = mid
+        except (OSError, ValueError):
+            hi = mid
+    return table[:lo]
 
 
 def open_trace(path: str | os.PathLike) -> Trace:

@@ -8,7 +8,14 @@ The layout is specified in docs/trace-format.md.  Why it is written this way
 - rows are buffered until a chunk is full: partial-chunk writes are ~4x slower;
 - a request's record is appended only after its rows and tokens were written
   and flushed, and carries a checksum of them, so a reader can tell which
-  records survived a kill.
+  records survived a kill;
+- a running CRC over the records themselves (``requests_crc32``) lets a
+  verifier notice an edited table, which the per-request checksums do not
+  cover.
+
+In append mode (``moetrace record --resume``) the writer reopens a trace,
+cuts it back to the records that are backed by data and continues the CSR
+offsets from there, so a resumed file has the layout of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ import os
 import queue
 import threading
 import time
-import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,13 +33,27 @@ import numpy as np
 
 from moetrace.engine.outputs import FINISH_REASONS, FinishedRequest
 from moetrace.errors import MoetraceError
+from moetrace.trace.diskspace import (
+    RESERVE_ENV,
+    DiskFullError,
+    free_bytes,
+    is_disk_full,
+    one_line_cause,
+    reserve_from_env,
+)
+from moetrace.trace.integrity import (
+    TOKEN_DTYPE,
+    expected_num_rows,
+    metadata_crc,
+    record_crc,
+    request_checksum,
+)
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION, TraceMetadata
 
 ROUTED_EXPERTS = "routed_experts"
 TOKEN_IDS = "token_ids"
 REQUESTS = "requests"
 
-TOKEN_DTYPE = np.dtype("<i4")
 TOKEN_CHUNK = 16384  # 64 KiB of int32: a token is 4 bytes where its row is L * k ids
 REQUEST_CHUNK = 1024
 # Oldest on-disk structures that hold our layout: HDF5 >= 1.10 tools can read the
@@ -61,26 +81,11 @@ REQUEST_DTYPE = np.dtype(
 )
 
 
-def request_checksum(routed_experts: np.ndarray, token_ids: np.ndarray) -> int:
-    """CRC-32 of the request's rows (stored dtype, little-endian, C order) then its int32 tokens."""
-    rows = np.ascontiguousarray(routed_experts, dtype=routed_experts.dtype.newbyteorder("<"))
-    tokens = np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)
-    return zlib.crc32(tokens, zlib.crc32(rows))
-
-
-def expected_num_rows(prompt_len: int, output_len: int, finish_reason: str) -> range:
-    """Row counts the format allows: the last sampled token is never run through the model."""
-    tokens = prompt_len + output_len
-    if finish_reason == "abort":
-        return range(0, tokens + 1)
-    return range(tokens - 1, tokens) if tokens else range(0)
-
-
 def _root_attrs(metadata: TraceMetadata) -> dict:
     """Root attributes a new trace starts with (counts and ``complete`` are updated later)."""
     from moetrace import __version__
 
-    return {
+    attrs = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "model": metadata.model,
@@ -98,12 +103,19 @@ def _root_attrs(metadata: TraceMetadata) -> dict:
         "row_order": "router",
         "engine_settings": json.dumps(metadata.engine_settings, sort_keys=True),
         "moetrace_version": metadata.moetrace_version or __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "created": _now(),
         "complete": False,
+        "end_reason": "recording",
         "num_requests": 0,
         "num_rows": 0,
         "num_tokens": 0,
+        "requests_crc32": 0,
+        "expected_requests": -1,
+        "skipped_inputs": "[]",
+        "resumes": "[]",
     }
+    attrs["metadata_crc32"] = metadata_crc(attrs)
+    return attrs
 
 
 class _ChunkAppender:
@@ -113,17 +125,23 @@ class _ChunkAppender:
     next write of that chunk is again a whole, aligned chunk.
     """
 
-    def __init__(self, ds: h5py.Dataset) -> None:
+    def __init__(self, ds: h5py.Dataset, length: int = 0) -> None:
         self.ds = ds
         self.chunk = ds.chunks[0]
         self.buf = np.empty((self.chunk, *ds.shape[1:]), dtype=ds.dtype)
-        self.start = 0  # dataset offset of buf[0], a multiple of self.chunk
-        self.fill = 0  # rows in buf
-        self.flushed = 0  # rows of buf already in the file
+        self.start = length // self.chunk * self.chunk  # dataset offset of buf[0]
+        self.fill = length - self.start  # rows in buf
+        self.flushed = self.fill  # rows of buf already in the file
+        if self.fill:  # appending: the partial tail chunk comes back into the buffer
+            self.buf[: self.fill] = ds[self.start : length]
 
     @property
     def length(self) -> int:
         return self.start + self.fill
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.buf.nbytes
 
     def append(self, data: np.ndarray) -> None:
         n, i = len(data), 0
@@ -156,12 +174,32 @@ class _ChunkAppender:
 
 _CLOSE = object()
 
+# Traces whose HDF5 file could not be closed after a write failure; see unclosed_traces().
+_UNCLOSED: list[Path] = []
+
+
+def unclosed_traces() -> list[Path]:
+    """Trace files HDF5 could not close after a failed write.
+
+    Their library state is broken: tearing the interpreter down normally can
+    crash inside HDF5, so the CLI leaves with ``os._exit``.  What was flushed
+    before the failure is on disk, as after a kill.
+    """
+    return list(_UNCLOSED)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
 
 class TraceWriter:
     """Writes a trace from a daemon thread; ``submit`` from the engine, ``close`` at the end.
 
     Errors raised in the thread come back to the caller at the next ``submit``
     or ``close``.  Arrays of a submitted request must not be modified afterwards.
+    With ``append`` an existing trace is continued after its first
+    ``keep_requests`` records (all of them when None); anything after those
+    (records, rows, tokens) is cut off first.
     """
 
     def __init__(
@@ -175,11 +213,17 @@ class TraceWriter:
         queue_size: int = 256,
         compression: str | None = None,
         overwrite: bool = False,
+        append: bool = False,
+        keep_requests: int | None = None,
+        expected_requests: int | None = None,
+        reserve_bytes: int | None = None,
     ) -> None:
         if chunk_rows < 1 or flush_every_requests < 1 or queue_size < 1:
             raise ValueError("chunk_rows, flush_every_requests and queue_size must be >= 1")
         if compression not in (None, "gzip"):
             raise ValueError(f"compression must be None or 'gzip', got {compression!r}")
+        if append and overwrite:
+            raise ValueError("append and overwrite exclude each other")
         self.path = Path(path)
         self.metadata = metadata
         self.chunk_rows = chunk_rows
@@ -187,40 +231,69 @@ class TraceWriter:
         self.flush_every_requests = flush_every_requests
         self.compression = compression
         self.overwrite = overwrite
+        self.append = append
+        self.keep_requests = keep_requests
+        self.expected_requests = expected_requests
+        self.reserve_bytes = reserve_from_env() if reserve_bytes is None else reserve_bytes
+        # Built under a temporary name and renamed once its header is on disk, so that a
+        # kill at any moment leaves either no trace or one that opens.
+        self._creating = self.path.with_name(f".{self.path.name}.{os.getpid()}.creating")
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._error_raised = False
         self._closed = False
+        self._table_crc = 0
         # Progress, written by the thread only.
+        self.kept_requests = 0  # records kept from an earlier run (append mode)
         self.written_requests = 0  # taken by the thread: rows buffered or in the file
         self.written_rows = 0
-        self.flushed_requests = 0  # records in the file: what a crash keeps
+        self.flushed_requests = 0  # records in the file (kept ones included): what a crash keeps
 
     # -- caller side ---------------------------------------------------------
 
     def start(self) -> TraceWriter:
-        """Create the file and start the thread; raises ``MoetraceError`` if the path is unusable."""
+        """Create (or reopen) the file and start the thread; ``MoetraceError`` if unusable."""
         if self._thread is not None:
             raise RuntimeError("TraceWriter already started")
-        try:
-            with open(self.path, "wb" if self.overwrite else "xb"):
-                pass
-        except FileExistsError:
-            raise MoetraceError(f"trace file already exists: {self.path}") from None
-        except OSError as exc:
-            raise MoetraceError(
-                f"cannot create trace file {self.path}: {exc.strerror or exc}"
-            ) from None
+        parent = self.path.parent if str(self.path.parent) else Path(".")
+        if self.reserve_bytes and parent.is_dir() and free_bytes(self.path) < self.reserve_bytes:
+            raise DiskFullError(
+                f"no room for trace file {self.path}: {free_bytes(self.path):,} bytes free, "
+                f"{self.reserve_bytes:,} kept in reserve ({RESERVE_ENV} sets it)"
+            )
+        if self.append:
+            if not self.path.is_file():
+                raise MoetraceError(f"cannot resume: no trace file {self.path}")
+            if not os.access(self.path, os.R_OK | os.W_OK):
+                raise MoetraceError(f"cannot resume {self.path}: the file is not writable")
+        else:
+            if self.path.is_dir():
+                raise MoetraceError(f"cannot create trace file {self.path}: it is a directory")
+            if self.path.exists() and not self.overwrite:
+                raise MoetraceError(f"trace file already exists: {self.path}")
+            try:
+                with open(self._creating, "xb"):
+                    pass
+            except OSError as exc:
+                raise MoetraceError(
+                    f"cannot create trace file {self.path}: {exc.strerror or exc}"
+                ) from None
         self._thread = threading.Thread(target=self._run, name="moetrace-trace-writer", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
             self._thread.join()
             self._error_raised = True
-            self.path.unlink(missing_ok=True)
-            raise MoetraceError(f"cannot create trace file {self.path}: {self._error}")
+            if self.append:
+                raise MoetraceError(f"cannot append to {self.path}: {one_line_cause(self._error)}")
+            self._creating.unlink(missing_ok=True)
+            if isinstance(self._error, MoetraceError):
+                raise self._error
+            raise MoetraceError(
+                f"cannot create trace file {self.path}: {one_line_cause(self._error)}"
+            )
         return self
 
     def submit(self, req: FinishedRequest) -> None:
@@ -232,13 +305,24 @@ class TraceWriter:
         extra = json.dumps(req.extra, sort_keys=True) if req.extra else ""
         self._queue.put((req, extra))
 
-    def close(self, complete: bool = True) -> None:
-        """Drain the queue, write everything, mark ``complete`` and close the file."""
+    def close(
+        self,
+        complete: bool = True,
+        *,
+        end_reason: str | None = None,
+        skipped_inputs: list[dict] | None = None,
+    ) -> None:
+        """Drain the queue, write everything, mark ``complete`` and close the file.
+
+        ``end_reason`` (default "complete" or "stopped") and ``skipped_inputs``
+        (input lines left out with ``--skip-invalid``) go to the root attributes.
+        """
         if self._closed:
             return
         self._closed = True
         if self._thread is not None and self._thread.is_alive():
-            self._queue.put((_CLOSE, complete))
+            reason = end_reason or ("complete" if complete else "stopped")
+            self._queue.put((_CLOSE, (complete, reason, skipped_inputs)))
             self._thread.join()
         self._raise_thread_error()
 
@@ -253,8 +337,16 @@ class TraceWriter:
         if err is None or self._error_raised:
             return
         self._error_raised = True
-        if isinstance(err, OSError):
-            raise MoetraceError(f"writing trace file {self.path} failed: {err}") from err
+        if is_disk_full(err):
+            raise DiskFullError(
+                f"disk full while writing {self.path} ({one_line_cause(err)}): the "
+                f"{self.flushed_requests} requests flushed before are safe in it; free space "
+                "and rerun with --resume"
+            ) from err
+        if isinstance(err, (OSError, RuntimeError)):  # what h5py raises for I/O failures
+            raise MoetraceError(
+                f"writing trace file {self.path} failed: {one_line_cause(err)}"
+            ) from err
         raise err
 
     def _check(self, req: FinishedRequest) -> None:
@@ -293,31 +385,40 @@ class TraceWriter:
 
     def _run(self) -> None:
         try:
-            self._file = self._create()
+            self._file = self._open_append() if self.append else self._create()
         except BaseException as exc:
             self._error = exc
             self._ready.set()
             return
         self._ready.set()
-        failed = False
+        error: BaseException | None = None
         try:
-            complete = self._loop()
+            complete, end_reason, skipped = self._loop()
             self._flush()
-            if complete:
-                self._file.attrs["complete"] = True
+            self._finish(complete, end_reason, skipped)
+        except DiskFullError as exc:  # nothing was written past the reserve: close cleanly
+            error = exc
+            try:
+                self._flush()
+                self._finish(False, "disk full", None)
+            except BaseException:
+                pass
         except BaseException as exc:
-            self._error, failed = exc, True
+            error = exc
         finally:
             try:
                 self._file.close()
             except BaseException as exc:
-                self._error = self._error or exc
-        if failed:
+                error = error or exc
+                _UNCLOSED.append(self.path)
+        # Set last: a caller that sees the error also sees the final flushed count.
+        self._error = error
+        if error is not None:
             self._drain()
 
     def _create(self) -> h5py.File:
         md = self.metadata
-        f = h5py.File(self.path, "w", libver=LIBVER)
+        f = h5py.File(self._creating, "w", libver=LIBVER)
         try:
             opts = {"compression": "gzip", "compression_opts": 1} if self.compression else {}
             layout = (md.num_moe_layers, md.top_k)
@@ -341,7 +442,10 @@ class TraceWriter:
                 REQUESTS, shape=(0,), maxshape=(None,), chunks=(REQUEST_CHUNK,), dtype=REQUEST_DTYPE
             )
             f.attrs.update(_root_attrs(md))
+            if self.expected_requests is not None:
+                f.attrs["expected_requests"] = self.expected_requests
             f.flush()
+            self._publish()
         except BaseException:
             f.close()
             raise
@@ -350,8 +454,86 @@ class TraceWriter:
         self._pending: list[tuple] = []
         return f
 
-    def _loop(self) -> bool:
-        """Take requests until the close message; return its ``complete`` flag."""
+    def _publish(self) -> None:
+        """Give the finished header its real name; never replaces a file unless overwriting."""
+        if self.overwrite:
+            os.replace(self._creating, self.path)
+            return
+        try:
+            os.link(self._creating, self.path)
+        except FileExistsError:
+            raise MoetraceError(f"trace file already exists: {self.path}") from None
+        except OSError:  # no hard links here (some network file systems): rename instead
+            if self.path.exists():
+                raise MoetraceError(f"trace file already exists: {self.path}") from None
+            os.rename(self._creating, self.path)
+            return
+        os.unlink(self._creating)
+
+    def _open_append(self) -> h5py.File:
+        """Reopen a trace, cut it back to the kept records and continue after them."""
+        md = self.metadata
+        f = h5py.File(self.path, "r+", libver=LIBVER)
+        try:
+            missing = [name for name in (ROUTED_EXPERTS, TOKEN_IDS, REQUESTS) if name not in f]
+            if missing:
+                raise MoetraceError(f"it lacks dataset(s) {', '.join(missing)}")
+            routed, tokens, table = f[ROUTED_EXPERTS], f[TOKEN_IDS], f[REQUESTS]
+            layout = (md.num_moe_layers, md.top_k)
+            if routed.shape[1:] != layout or routed.dtype != md.expert_dtype:
+                raise MoetraceError(
+                    f"its rows are {routed.dtype} {list(routed.shape[1:])}, "
+                    f"this run writes {md.expert_dtype} {list(layout)}"
+                )
+            if table.dtype.names != REQUEST_DTYPE.names:
+                raise MoetraceError("its request table has other fields")
+            n = table.shape[0]
+            if self.keep_requests is not None:
+                n = min(n, self.keep_requests)
+            kept = table[:n]
+            last = kept[-1] if n else None
+            row_end = int(last["row_start"] + last["num_rows"]) if n else 0
+            token_end = (
+                int(last["token_start"] + last["prompt_len"] + last["output_len"]) if n else 0
+            )
+            resumes = json.loads(_text(f.attrs.get("resumes", "[]")) or "[]")
+            resumes.append(
+                {
+                    "time": _now(),
+                    "kept_requests": n,
+                    "dropped_requests": int(table.shape[0]) - n,
+                    "moetrace_version": md.moetrace_version,
+                    "engine_settings": md.engine_settings,
+                }
+            )
+            self._table_crc = record_crc(kept)
+            # The table first: a crash in between leaves records that still point at data.
+            f.attrs.update(complete=False, end_reason="recording")
+            table.resize(n, axis=0)
+            routed.resize(row_end, axis=0)
+            tokens.resize(token_end, axis=0)
+            f.attrs.update(
+                num_requests=n,
+                num_rows=row_end,
+                num_tokens=token_end,
+                requests_crc32=self._table_crc,
+                resumes=json.dumps(resumes, sort_keys=True),
+            )
+            if self.expected_requests is not None:
+                f.attrs["expected_requests"] = self.expected_requests
+            f.flush()
+            self._rows = _ChunkAppender(routed, row_end)
+            self._tokens = _ChunkAppender(tokens, token_end)
+        except BaseException:
+            f.close()
+            raise
+        self._requests = table
+        self._pending = []
+        self.kept_requests = self.flushed_requests = n
+        return f
+
+    def _loop(self) -> tuple[bool, str, list[dict] | None]:
+        """Take requests until the close message; return what it carries."""
         deadline = time.monotonic() + self.flush_interval_s
         while True:
             try:
@@ -366,29 +548,51 @@ class TraceWriter:
                 self._flush()
                 deadline = time.monotonic() + self.flush_interval_s
 
+    def _finish(self, complete: bool, end_reason: str, skipped: list[dict] | None) -> None:
+        attrs = {"end_reason": end_reason}
+        if skipped is not None:
+            attrs["skipped_inputs"] = json.dumps(skipped, ensure_ascii=False)
+        self._file.attrs.update(attrs)
+        if complete:
+            self._file.attrs["complete"] = True
+        self._file.flush()
+
     def _place(self, req: FinishedRequest, extra: str) -> None:
         tokens = np.concatenate([req.prompt_token_ids, req.output_token_ids]).astype(
             TOKEN_DTYPE, copy=False
         )
         record = (
             req.request_id,
-            req.index,
+            int(req.index),
             req.prompt_len,
             req.output_len,
             req.num_rows,
             self._rows.length,
             self._tokens.length,
             FINISH_REASONS.index(req.finish_reason),
-            req.num_cached_tokens,
-            req.num_preemptions,
+            int(req.num_cached_tokens),
+            int(req.num_preemptions),
             request_checksum(req.routed_experts, tokens),
             extra,
         )
+        self._ensure_space(req.routed_experts.nbytes + tokens.nbytes + 256)
         self._rows.append(req.routed_experts)
         self._tokens.append(tokens)
         self._pending.append(record)
         self.written_requests += 1
         self.written_rows += req.num_rows
+
+    def _ensure_space(self, nbytes: int) -> None:
+        """Refuse a write that would eat into the reserve (chunks may be rewritten: count 2x)."""
+        if not self.reserve_bytes:
+            return
+        room = free_bytes(self.path)
+        pending = (len(self._pending) + 1) * 256 + 2 * self._rows.chunk_bytes
+        if room < self.reserve_bytes + 2 * nbytes + pending:
+            raise DiskFullError(
+                f"{room:,} bytes free, {self.reserve_bytes:,} kept in reserve "
+                f"({RESERVE_ENV} sets it)"
+            )
 
     def _flush(self) -> None:
         """Data first and flushed, then the records that point at it, then flushed again."""
@@ -400,11 +604,13 @@ class TraceWriter:
         n = self._requests.shape[0]
         self._requests.resize(n + len(self._pending), axis=0)
         self._requests[n:] = np.array(self._pending, dtype=REQUEST_DTYPE)
+        self._table_crc = record_crc(self._pending, self._table_crc)
         self._pending.clear()
         self._file.attrs.update(
             num_requests=self._requests.shape[0],
             num_rows=self._rows.length,
             num_tokens=self._tokens.length,
+            requests_crc32=self._table_crc,
         )
         self._file.flush()
         self.flushed_requests = self._requests.shape[0]
@@ -413,3 +619,7 @@ class TraceWriter:
         """After a failure keep emptying the queue so that no submitter blocks forever."""
         while self._queue.get()[0] is not _CLOSE:
             pass
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

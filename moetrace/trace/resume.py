@@ -1,0 +1,150 @@
+"""May this run continue that trace, and what does the trace already hold?
+
+A resumed file must equal one uninterrupted run's, request by request.  So
+the settings that change what a request records must match the trace's:
+the model (config digest), compute dtype, device, load format, run seed,
+context length and the sampling defaults.  Settings that only change how the
+engine batches (``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--block-size``, ``--num-kv-blocks``, prefix caching, memory share) may
+differ: rows and tokens are invariant to them, which
+tests/test_engine_invariance.py proves bit for bit.
+
+The trace's records must also be sound: every record's offsets and lengths
+are checked (the table only), and the tail is checked against its data as the
+reader does for any incomplete file; records past the last sound one are cut
+off and redone.  Full checksums of every row are ``moetrace verify``'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moetrace.errors import MoetraceError
+from moetrace.trace.reader import Trace
+
+# Setting -> how the user names it; the sampling defaults are compared one by one.
+SETTING_NAMES = {
+    "config_digest": "model config (config.json digest)",
+    "dtype": "--dtype",
+    "device": "--device",
+    "load_format": "--load-format",
+    "seed": "--seed",
+    "max_model_len": "--max-model-len (effective context)",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "ignore_eos": "--ignore-eos",
+    "stop_token_ids": "default stop_token_ids",
+    "sampling_seed": "default sampling seed",
+}
+
+
+def result_settings(config_digest: str, dtype: str, engine_settings: dict) -> dict:
+    """The settings a resume must match, from a trace's (or a run's) metadata."""
+    sampling = dict(engine_settings.get("sampling_defaults") or {})
+    settings = {
+        "config_digest": config_digest,
+        "dtype": dtype,
+        "device": engine_settings.get("device"),
+        "load_format": engine_settings.get("load_format"),
+        "seed": engine_settings.get("seed"),
+        "max_model_len": engine_settings.get("max_model_len"),
+    }
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids"):
+        settings[key] = sampling.get(key)
+    settings["sampling_seed"] = sampling.get("seed")
+    # JSON round trip: a run's own values compare equal to what a file stored.
+    return json.loads(json.dumps(settings))
+
+
+def prompt_crc(token_ids) -> int:
+    """CRC-32 of a prompt as little-endian int32: the same prompt, whatever produced it."""
+    return zlib.crc32(np.ascontiguousarray(token_ids, dtype="<i4").tobytes())
+
+
+@dataclass
+class ResumePoint:
+    """What an existing trace holds, once it has been accepted for a resume."""
+
+    path: Path
+    keep_requests: int  # sound records kept; anything after them is cut off
+    dropped: int  # tail records not backed by data (redone)
+    prompts: dict[str, int] = field(default_factory=dict)  # id -> prompt_crc
+    skipped_inputs: list[dict] = field(default_factory=list)
+    was_complete: bool = False
+    settings: dict = field(default_factory=dict)  # result_settings of the trace
+
+    def check_prompt(self, request_id: str, token_ids, where: str) -> bool:
+        """True if the request is already recorded; refuses one recorded with another prompt."""
+        crc = self.prompts.get(request_id)
+        if crc is None:
+            return False
+        if crc != prompt_crc(token_ids):
+            raise MoetraceError(
+                f"cannot resume {self.path}: request {request_id!r} ({where}) was recorded with "
+                "another prompt; resume with the same prompts"
+            )
+        return True
+
+
+def mismatches(stored: dict, wanted: dict) -> list[str]:
+    return [
+        f"{SETTING_NAMES.get(key, key)} {_show(stored.get(key))} (this run: {_show(value)})"
+        for key, value in wanted.items()
+        if stored.get(key) != value
+    ]
+
+
+def check_settings(path: Path, stored: dict, wanted: dict) -> None:
+    diff = mismatches(stored, wanted)
+    if diff:
+        raise MoetraceError(
+            f"cannot resume {path}: it was recorded with {'; '.join(diff)} — settings that "
+            "change the recorded rows must match (batching and cache settings may differ)"
+        )
+
+
+def open_resume_point(path: str | os.PathLike, wanted: dict) -> ResumePoint:
+    """Check that ``path`` may be continued with settings ``wanted``; read what it holds."""
+    path = Path(path)
+    with Trace(path) as trace:
+        md = trace.metadata
+        stored = result_settings(
+            str(md.get("config_digest", "")),
+            str(md.get("dtype", "")),
+            md.get("engine_settings") or {},
+        )
+        check_settings(path, stored, wanted)
+        layout = trace.layout_problems()
+        bad = next((i for i, problem in enumerate(layout) if problem), None)
+        if bad is not None:
+            raise MoetraceError(
+                f"cannot resume {path}: request {bad} ({trace.request_ids[bad]!r}) is damaged "
+                f"({layout[bad]}); run 'moetrace verify {path}'"
+            )
+        prompts: dict[str, int] = {}
+        for rid, tokens in trace.iter_prompt_tokens():
+            if rid in prompts:
+                raise MoetraceError(f"cannot resume {path}: request id {rid!r} is in it twice")
+            prompts[rid] = prompt_crc(tokens)
+        skipped = json.loads(md.get("skipped_inputs") or "[]")
+        return ResumePoint(
+            path,
+            keep_requests=trace.num_requests,
+            dropped=trace.num_dropped,
+            prompts=prompts,
+            skipped_inputs=skipped,
+            was_complete=trace.complete,
+            settings=stored,
+        )
+
+
+def _show(value) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
