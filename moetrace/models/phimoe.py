@@ -23,15 +23,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.attention import PagedAttention
 from moetrace.layers.moe import MoEExperts
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
-from moetrace.models.base import MoEBlockBase, MoEForCausalLM
+from moetrace.models.base import MoEBlockBase
+from moetrace.models.common import (
+    DecoderLM,
+    FusedQKVAttention,
+    PreNormDecoderLayer,
+    head_dim_of,
+    map_experts,
+    map_fused_attention,
+    map_norms,
+    require_silu,
+)
 from moetrace.models.weights import WeightMap
 
 NORM_EPS = 1e-5
 ROPE_THETA = 1e6  # PhimoeConfig's default theta, for configs that give none
-QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def sparsemixer_top2(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,59 +103,12 @@ class PhimoeBlock(MoEBlockBase):
         return self.experts(x, weights, ids)
 
 
-class PhimoeAttention(nn.Module):
-    def __init__(self, config: dict, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = config.get("head_dim") or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(config.get("attention_bias", False))
-        self.qkv = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
-        self.rotary = rotary
-        self.attn = PagedAttention(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            sliding_window=config.get("sliding_window") or None,
-        )
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = RotaryEmbedding.apply(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = RotaryEmbedding.apply(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim))
-        return self.o_proj(out.reshape(t, -1))
-
-
-class PhimoeDecoderLayer(nn.Module):
-    def __init__(self, config: dict, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        eps = config.get("rms_norm_eps", NORM_EPS)
-        self.input_layernorm = nn.LayerNorm(hidden, eps=eps)
-        self.post_attention_layernorm = nn.LayerNorm(hidden, eps=eps)
-        self.self_attn = PhimoeAttention(config, rotary)
-        self.block_sparse_moe = PhimoeBlock(config)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
-
-
-class PhimoeForCausalLM(MoEForCausalLM):
+class PhimoeForCausalLM(DecoderLM):
     architecture = "PhimoeForCausalLM"
 
     def __init__(self, config: dict) -> None:
         super().__init__()
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelError(f"PhiMoE hidden_act {act!r} is not supported (only silu)")
+        require_silu(config, "PhiMoE")
         top_k = config.get("num_experts_per_tok", 2)
         if top_k != 2:
             raise ModelError(
@@ -155,7 +116,6 @@ class PhimoeForCausalLM(MoEForCausalLM):
             )
         self.config = config
         hidden = config["hidden_size"]
-        self.vocab_size = config["vocab_size"]
         self.num_experts = int(config.get("num_local_experts") or 0)
         if self.num_experts < 2:
             raise ModelError("PhiMoE config needs num_local_experts >= 2")
@@ -164,68 +124,27 @@ class PhimoeForCausalLM(MoEForCausalLM):
         self.moe_layer_indices = list(range(num_layers))
         self.max_model_len = int(config.get("max_position_embeddings", 4096 * 32))
         self.max_model_len = min(self.max_model_len, longrope_context(config) or self.max_model_len)
-        head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-        self.rotary = PhimoeRotary(config, head_dim)
-        self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
+        self.rotary = PhimoeRotary(config, head_dim_of(config))
+        self._init_embedding(config)
+        eps = config.get("rms_norm_eps", NORM_EPS)
+        bias = bool(config.get("attention_bias", False))
+        window = config.get("sliding_window") or None
         self.layers = nn.ModuleList(
-            PhimoeDecoderLayer(config, self.rotary) for _ in range(num_layers)
+            PreNormDecoderLayer(
+                lambda: nn.LayerNorm(hidden, eps=eps),
+                FusedQKVAttention(config, self.rotary, bias=bias, window=window),
+                PhimoeBlock(config),
+                "block_sparse_moe",
+            )
+            for _ in range(num_layers)
         )
-        for i, layer in enumerate(self.layers):
-            layer.block_sparse_moe.moe_index = i
-        self.norm = nn.LayerNorm(hidden, eps=config.get("rms_norm_eps", NORM_EPS))
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         self.lm_head_bias = bool(config.get("lm_head_bias", False))
-        self.lm_head = nn.Linear(hidden, self.vocab_size, bias=self.lm_head_bias)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.weights = self._weight_map()
+        self._init_head(config, nn.LayerNorm(hidden, eps=eps), lm_head_bias=self.lm_head_bias)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    # ---------------------------------------------------------------- weights
-    def _weight_map(self) -> WeightMap:
-        wm = WeightMap(self)
-        wm.direct("model.embed_tokens.weight", "embed_tokens.weight")
-        for kind in ("weight", "bias"):
-            wm.direct(f"model.norm.{kind}", f"norm.{kind}")
-        if not self.tie_word_embeddings:
-            wm.direct("lm_head.weight", "lm_head.weight")
-        if self.lm_head_bias:
-            wm.direct("lm_head.bias", "lm_head.bias")
-        for i, layer in enumerate(self.layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            attn = layer.self_attn
-            starts = (0, attn.q_size, attn.q_size + attn.kv_size)
-            sizes = (attn.q_size, attn.kv_size, attn.kv_size)
-            kinds = ("weight", "bias") if attn.qkv.bias is not None else ("weight",)
-            for kind in kinds:
-                for name, start, size in zip(QKV, starts, sizes, strict=True):
-                    wm.rows(
-                        f"{src}self_attn.{name}.{kind}", f"{dst}self_attn.qkv.{kind}", start, size
-                    )
-                wm.direct(f"{src}self_attn.o_proj.{kind}", f"{dst}self_attn.o_proj.{kind}")
-            for name in ("input_layernorm", "post_attention_layernorm"):
-                for kind in ("weight", "bias"):
-                    wm.direct(f"{src}{name}.{kind}", f"{dst}{name}.{kind}")
-            moe, inter = f"{dst}block_sparse_moe.", layer.block_sparse_moe.experts.intermediate
-            wm.direct(f"{src}block_sparse_moe.gate.weight", f"{moe}gate")
-            for e in range(self.num_experts):
-                ex = f"{src}block_sparse_moe.experts.{e}."
-                wm.rows(f"{ex}w1.weight", f"{moe}experts.w13", 0, inter, index=e)
-                wm.rows(f"{ex}w3.weight", f"{moe}experts.w13", inter, inter, index=e)
-                wm.direct(f"{ex}w2.weight", f"{moe}experts.w2", index=e)
-        return wm
-
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        return self.weights.load(name, tensor)
-
-    def expected_weight_names(self) -> set[str]:
-        return set(self.weights.targets)
+    def _map_layer(self, wm: WeightMap, i: int, layer: nn.Module, src: str, dst: str) -> None:
+        map_fused_attention(wm, layer.self_attn, f"{src}self_attn.", f"{dst}self_attn.")
+        map_norms(wm, layer, src, dst)
+        moe_src, moe = f"{src}block_sparse_moe.", f"{dst}block_sparse_moe."
+        wm.direct(f"{moe_src}gate.weight", f"{moe}gate")
+        experts = layer.block_sparse_moe.experts
+        map_experts(wm, experts, f"{moe_src}experts.", f"{moe}experts.", ("w1", "w3", "w2"))
