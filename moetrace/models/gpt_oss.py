@@ -26,16 +26,22 @@ import torch
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.attention import PagedAttention
 from moetrace.layers.moe import MoEExperts, topk_softmax
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
-from moetrace.models.base import MoEBlockBase, MoEForCausalLM
+from moetrace.models.base import MoEBlockBase
+from moetrace.models.common import (
+    DecoderLM,
+    FusedQKVAttention,
+    PreNormDecoderLayer,
+    head_dim_of,
+    map_fused_attention,
+    map_norms,
+)
 from moetrace.models.mxfp4 import dequantize_mxfp4, quant_method
 from moetrace.models.weights import WeightMap
 
 RMS_EPS = 1e-5
-QKV = ("q_proj", "k_proj", "v_proj")
 ROPE_THETA = 150000.0  # GptOssConfig's defaults, for configs that give no rope settings
 DEFAULT_YARN = {
     "rope_type": "yarn",
@@ -107,54 +113,17 @@ class GptOssBlock(MoEBlockBase):
         return self.experts(x, weights, ids)
 
 
-class GptOssAttention(nn.Module):
+class GptOssAttention(FusedQKVAttention):
+    """Fused-qkv attention plus a learned per-head sink logit."""
+
     def __init__(self, config: dict, rotary: RotaryEmbedding, sliding: bool) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = config.get("head_dim") or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(config.get("attention_bias", True))
-        self.qkv = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
-        self.rotary = rotary
         window = config.get("sliding_window", 128) if sliding else None
-        self.attn = PagedAttention(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            sliding_window=window or None,
-        )
+        bias = bool(config.get("attention_bias", True))
+        super().__init__(config, rotary, bias=bias, window=window or None)
         self.attn.sinks = nn.Parameter(torch.empty(self.num_heads))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = RotaryEmbedding.apply(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = RotaryEmbedding.apply(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim))
-        return self.o_proj(out.reshape(t, -1))
 
-
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config: dict, rotary: RotaryEmbedding, sliding: bool) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        eps = config.get("rms_norm_eps", RMS_EPS)
-        self.input_layernorm = GptOssRMSNorm(hidden, eps)
-        self.post_attention_layernorm = GptOssRMSNorm(hidden, eps)
-        self.self_attn = GptOssAttention(config, rotary, sliding)
-        self.mlp = GptOssBlock(config)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class GptOssForCausalLM(MoEForCausalLM):
+class GptOssForCausalLM(DecoderLM):
     architecture = "GptOssForCausalLM"
 
     def __init__(self, config: dict) -> None:
@@ -167,7 +136,6 @@ class GptOssForCausalLM(MoEForCausalLM):
             )
         self.config = config
         hidden = config["hidden_size"]
-        self.vocab_size = config["vocab_size"]
         self.num_experts = int(config.get("num_local_experts") or 0)
         if self.num_experts <= 0:
             raise ModelError("gpt-oss config has no num_local_experts")
@@ -175,63 +143,32 @@ class GptOssForCausalLM(MoEForCausalLM):
         layer_types = gpt_oss_layer_types(config)
         self.moe_layer_indices = list(range(len(layer_types)))
         self.max_model_len = int(config.get("max_position_embeddings", 131072))
-        head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
         theta, scaling = gpt_oss_rope(config)
         self.rotary = RotaryEmbedding(
-            head_dim, theta, scaling, max_position_embeddings=self.max_model_len
+            head_dim_of(config), theta, scaling, max_position_embeddings=self.max_model_len
         )
-        self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
+        self._init_embedding(config)
+        eps = config.get("rms_norm_eps", RMS_EPS)
         self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, self.rotary, kind == "sliding_attention")
+            PreNormDecoderLayer(
+                lambda: GptOssRMSNorm(hidden, eps),
+                GptOssAttention(config, self.rotary, kind == "sliding_attention"),
+                GptOssBlock(config),
+            )
             for kind in layer_types
         )
-        for i, layer in enumerate(self.layers):
-            layer.mlp.moe_index = i
-        self.norm = GptOssRMSNorm(hidden, config.get("rms_norm_eps", RMS_EPS))
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.weights = self._weight_map()
+        self._init_head(config, GptOssRMSNorm(hidden, eps))
         self._pending: dict[str, torch.Tensor] = {}  # MXFP4 halves waiting for their partner
         self.converters = self._expert_converters()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     # ---------------------------------------------------------------- weights
-    def _weight_map(self) -> WeightMap:
-        wm = WeightMap(self)
-        wm.direct("model.embed_tokens.weight", "embed_tokens.weight")
-        wm.direct("model.norm.weight", "norm.weight")
-        if not self.tie_word_embeddings:
-            wm.direct("lm_head.weight", "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            attn = layer.self_attn
-            starts = (0, attn.q_size, attn.q_size + attn.kv_size)
-            sizes = (attn.q_size, attn.kv_size, attn.kv_size)
-            kinds = ("weight", "bias") if attn.qkv.bias is not None else ("weight",)
-            for kind in kinds:
-                for name, start, size in zip(QKV, starts, sizes, strict=True):
-                    wm.rows(
-                        f"{src}self_attn.{name}.{kind}", f"{dst}self_attn.qkv.{kind}", start, size
-                    )
-                wm.direct(f"{src}self_attn.o_proj.{kind}", f"{dst}self_attn.o_proj.{kind}")
-            wm.direct(f"{src}self_attn.sinks", f"{dst}self_attn.attn.sinks")
-            for name in ("input_layernorm", "post_attention_layernorm"):
-                wm.direct(f"{src}{name}.weight", f"{dst}{name}.weight")
-            for kind in ("weight", "bias"):
-                wm.direct(f"{src}mlp.router.{kind}", f"{dst}mlp.router.{kind}")
-            wm.direct(f"{src}mlp.experts.down_proj_bias", f"{dst}mlp.experts.b2")
-        return wm
+    def _map_layer(self, wm: WeightMap, i: int, layer: nn.Module, src: str, dst: str) -> None:
+        map_fused_attention(wm, layer.self_attn, f"{src}self_attn.", f"{dst}self_attn.")
+        wm.direct(f"{src}self_attn.sinks", f"{dst}self_attn.attn.sinks")
+        map_norms(wm, layer, src, dst)
+        for kind in ("weight", "bias"):
+            wm.direct(f"{src}mlp.router.{kind}", f"{dst}mlp.router.{kind}")
+        wm.direct(f"{src}mlp.experts.down_proj_bias", f"{dst}mlp.experts.b2")
 
     def _expert_converters(self) -> dict[str, Callable[[str, torch.Tensor], None]]:
         """Checkpoint names whose tensors need more than a copy: transposes, interleave, MXFP4."""
