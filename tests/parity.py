@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hf_reference import reference_greedy, reference_routing
+from hf_reference import make_tiny_checkpoint, reference_greedy, reference_routing
 
 from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
@@ -48,3 +48,30 @@ def assert_parity(
         assert mismatch.size == 0, (
             f"{rid}: first mismatch (token, layer, rank) {mismatch[0].tolist()}"
         )
+
+
+def prompts(seed: int, *, short: bool = True, long: int = 23) -> dict[str, list[int]]:
+    """Seeded prompts: a short one, a long one, two sharing a 9-token prefix (prefix-cache hits)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 300, 9).tolist()
+    out = {"short": rng.integers(0, 300, 3).tolist()} if short else {}
+    out["long"] = rng.integers(0, 300, long).tolist()
+    out["shared-a"] = shared + rng.integers(0, 300, 4).tolist()
+    out["shared-b"] = shared + rng.integers(0, 300, 6).tolist()
+    return out
+
+
+def assert_shape_parity(
+    family: str,
+    tmp_path: Path,
+    name: str,
+    overrides: dict,
+    *,
+    prompt_set: dict[str, list[int]] | None = None,
+    **engine,
+) -> None:
+    """Parity of one named config shape of ``family``, seeded by the shape's name."""
+    ckpt = make_tiny_checkpoint(family, tmp_path / name, seed=len(name), **overrides)
+    # Small steps and blocks: chunked prefill, prefix hits and decode all take part.
+    chosen = prompts(len(name)) if prompt_set is None else prompt_set
+    assert_parity(ckpt, chosen, **{"max_num_batched_tokens": 8, "max_num_seqs": 3, **engine})

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import make_tiny_checkpoint
-from parity import assert_parity, record
+from parity import assert_shape_parity, record
+from parity import prompts as parity_prompts
 
 from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
@@ -56,20 +57,15 @@ SHAPES = {
 
 
 def prompts(seed: int) -> dict[str, list[int]]:
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(0, 300, 9).tolist()
-    return {
-        "long": rng.integers(0, 300, 21).tolist(),
-        "shared-a": shared + rng.integers(0, 300, 4).tolist(),
-        "shared-b": shared + rng.integers(0, 300, 6).tolist(),
-    }
+    """DeepSeek's prompt set: no short prompt, a 21-token long one."""
+    return parity_prompts(seed, short=False, long=21)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_routing_and_greedy_tokens_match_transformers(tmp_path, name):
-    ckpt = make_tiny_checkpoint("deepseek_v3", tmp_path / name, seed=len(name), **SHAPES[name])
-    # Small steps and blocks: chunked prefill, prefix hits and decode all take part.
-    assert_parity(ckpt, prompts(len(name)), max_tokens=5, max_num_batched_tokens=8, max_num_seqs=3)
+    assert_shape_parity(
+        "deepseek_v3", tmp_path, name, SHAPES[name], prompt_set=prompts(len(name)), max_tokens=5
+    )
 
 
 def test_bias_picks_the_experts_and_sigmoid_weights_them():

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from hf_reference import make_tiny_checkpoint
-from parity import assert_parity
+from parity import assert_parity, assert_shape_parity, prompts
 
 from moetrace.config import EngineConfig
 from moetrace.models.loader import load_model
@@ -40,22 +39,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def prompts(seed: int) -> dict[str, list[int]]:
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(0, 300, 9).tolist()
-    return {
-        "short": rng.integers(0, 300, 3).tolist(),
-        "long": rng.integers(0, 300, 23).tolist(),
-        "shared-a": shared + rng.integers(0, 300, 4).tolist(),
-        "shared-b": shared + rng.integers(0, 300, 6).tolist(),
-    }
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_routing_and_greedy_tokens_match_transformers(tmp_path, name):
-    ckpt = make_tiny_checkpoint("qwen2_moe", tmp_path / name, seed=len(name), **SHAPES[name])
-    # Small steps and blocks: chunked prefill, prefix hits and decode all take part.
-    assert_parity(ckpt, prompts(len(name)), max_num_batched_tokens=8, max_num_seqs=3)
+    assert_shape_parity("qwen2_moe", tmp_path, name, SHAPES[name])
 
 
 def test_published_config_without_layer_types(tmp_path):
