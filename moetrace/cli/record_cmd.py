@@ -5,26 +5,19 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moetrace.config import EngineConfig
-from moetrace.distributed.launch import (
-    TensorParallelDriver,
-    is_torchrun_worker,
-    parallel_settings,
-    prepare_parallel,
-    run_torchrun_worker,
-    worker_spec,
-)
 from moetrace.errors import MoetraceError
 from moetrace.models.registry import supported_architectures
-from moetrace.recording import Recording, RecordResult, SamplingDefaults, check_supported
-from moetrace.signals import GracefulStop, Interrupted
-from moetrace.trace.writer import unclosed_traces
+
+if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
+    from moetrace.recording import Recording, RecordResult, SamplingDefaults
+    from moetrace.signals import GracefulStop
 
 _SUPPORTED = ", ".join(supported_architectures())
 
@@ -134,6 +127,19 @@ def record_command(
 
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
+    from moetrace.config import EngineConfig
+    from moetrace.distributed.launch import (
+        TensorParallelDriver,
+        is_torchrun_worker,
+        parallel_settings,
+        prepare_parallel,
+        run_torchrun_worker,
+        worker_spec,
+    )
+    from moetrace.recording import Recording, SamplingDefaults, check_supported
+    from moetrace.signals import GracefulStop, Interrupted
+    from moetrace.trace.writer import unclosed_traces
+
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
     parallel = prepare_parallel(
         model,

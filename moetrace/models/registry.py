@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from typing import TYPE_CHECKING
 
 from moetrace.errors import ModelError
-from moetrace.models.base import MoEForCausalLM
-from moetrace.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from moetrace.models.gpt_oss import GptOssForCausalLM
-from moetrace.models.granitemoe import GraniteMoeForCausalLM
-from moetrace.models.mixtral import MixtralForCausalLM
-from moetrace.models.olmoe import OlmoeForCausalLM
-from moetrace.models.phimoe import PhimoeForCausalLM
-from moetrace.models.qwen2_moe import Qwen2MoeForCausalLM
-from moetrace.models.qwen3_moe import Qwen3MoeForCausalLM
 
-ARCHITECTURES: dict[str, Callable[[dict], MoEForCausalLM]] = {
-    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-    "GptOssForCausalLM": GptOssForCausalLM,
-    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "OlmoeForCausalLM": OlmoeForCausalLM,
-    "PhiMoEForCausalLM": PhimoeForCausalLM,  # the remote-code name on the Hub
-    "PhimoeForCausalLM": PhimoeForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+if TYPE_CHECKING:
+    from moetrace.models.base import MoEForCausalLM
+
+# Architecture name -> "module:class".  Imported on first use, so listing what
+# is supported (the CLI's help) does not load torch and every family.
+ARCHITECTURES: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "moetrace.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "moetrace.models.deepseek:DeepseekV3ForCausalLM",
+    "GptOssForCausalLM": "moetrace.models.gpt_oss:GptOssForCausalLM",
+    "GraniteMoeForCausalLM": "moetrace.models.granitemoe:GraniteMoeForCausalLM",
+    "MixtralForCausalLM": "moetrace.models.mixtral:MixtralForCausalLM",
+    "OlmoeForCausalLM": "moetrace.models.olmoe:OlmoeForCausalLM",
+    "PhiMoEForCausalLM": "moetrace.models.phimoe:PhimoeForCausalLM",  # the Hub's remote-code name
+    "PhimoeForCausalLM": "moetrace.models.phimoe:PhimoeForCausalLM",
+    "Qwen2MoeForCausalLM": "moetrace.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "moetrace.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
+
+
+def model_class(architecture: str) -> type:
+    module, name = ARCHITECTURES[architecture].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def supported_architectures() -> list[str]:
@@ -46,4 +48,4 @@ def resolve_architecture(config: dict, source: str) -> str:
 
 
 def build_model(config: dict, source: str) -> MoEForCausalLM:
-    return ARCHITECTURES[resolve_architecture(config, source)](config)
+    return model_class(resolve_architecture(config, source))(config)
