@@ -30,6 +30,16 @@ from moetrace.models.loader import load_model
 CONFIGS = Path(__file__).parent / "configs"
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device() -> torch.device:
+    """CUDA for real figures; the CPU only to smoke-test this script on a tiny config."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(100, vocab - 100, size=(count, length)).tolist()
@@ -59,17 +69,17 @@ def make_engine(model, capture: bool, args, num_blocks: int) -> LLMEngine:
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
     )
-    return LLMEngine(model, config, torch.device("cuda"))
+    return LLMEngine(model, config, device())
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params, index=i)
     finished = list(engine.run())
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - start
     out_tokens = sum(f.output_len for f in finished)
     assert out_tokens == len(prompts) * output_len
@@ -118,7 +128,8 @@ def decode_step_profile(engine: LLMEngine, model, batch: int) -> dict:
 def bench_moetrace(name: str, config: dict, prompts, args, results: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        loaded = load_model(tmp, device=torch.device("cuda"), dtype="bfloat16", load_format="dummy")
+        dtype = "bfloat16" if device().type == "cuda" else "float32"
+        loaded = load_model(tmp, device=device(), dtype=dtype, load_format="dummy")
     model = loaded.model
     tokens_per_seq = args.prompt_len + args.output_len
     num_blocks = args.max_num_seqs * -(-tokens_per_seq // 16) + 64
@@ -139,23 +150,27 @@ def bench_moetrace(name: str, config: dict, prompts, args, results: dict) -> Non
     batch = min(args.max_num_seqs, len(prompts))
     results["decode_profile"] = decode_step_profile(engines["capture"], model, batch)
     del engines, model, loaded
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def bench_transformers(name: str, config: dict, prompts, args, results: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    dtype = torch.bfloat16 if device().type == "cuda" else torch.float32
+    with device():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
     gen = GenerationConfig(
         max_new_tokens=args.output_len, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     if "generate_batch" in args.hf:
-        torch.cuda.synchronize()
+        # Warm up first (kernel compilation, its graph capture), as moetrace's engines are.
+        model.generate_batch(inputs=prompts[:8], generation_config=gen)
+        sync()
         start = time.perf_counter()
         out = model.generate_batch(inputs=prompts, generation_config=gen)
-        torch.cuda.synchronize()
+        sync()
         elapsed = time.perf_counter() - start
         produced = sum(len(o.generated_tokens) for o in out.values())
         results["hf_generate_batch"] = {
@@ -168,11 +183,11 @@ def bench_transformers(name: str, config: dict, prompts, args, results: dict) ->
         subset = prompts[: args.hf_generate_prompts]
         total, elapsed = 0, 0.0
         for lo in range(0, len(subset), args.hf_generate_batch):
-            ids = torch.tensor(subset[lo : lo + args.hf_generate_batch], device="cuda")
-            torch.cuda.synchronize()
+            ids = torch.tensor(subset[lo : lo + args.hf_generate_batch], device=device())
+            sync()
             start = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-            torch.cuda.synchronize()
+            sync()
             elapsed += time.perf_counter() - start
             total += (out.shape[1] - ids.shape[1]) * ids.shape[0]
         results["hf_generate"] = {
@@ -184,7 +199,8 @@ def bench_transformers(name: str, config: dict, prompts, args, results: dict) ->
         }
         print(f"[{name}] transformers generate: {total / elapsed:,.0f} tok/s", flush=True)
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -213,10 +229,10 @@ def main() -> None:
     import transformers
 
     env = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke test)",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "hbm_bytes_per_s": hbm_bandwidth(torch.device("cuda")),
+        "hbm_bytes_per_s": hbm_bandwidth(device()) if torch.cuda.is_available() else float("nan"),
         "args": {k: v for k, v in vars(args).items() if k != "out"},
     }
     print(
