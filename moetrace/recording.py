@@ -27,7 +27,7 @@ from moetrace import __version__
 from moetrace.config import EngineConfig
 from moetrace.distributed.shards import select_shard, shard_settings
 from moetrace.engine.cpu_threads import configure_cpu_threads
-from moetrace.engine.llm_engine import LLMEngine, RequestRejected
+from moetrace.engine.llm_engine import LLMEngine, RequestRejected, request_problem
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError, InputError, ModelError, MoetraceError
 from moetrace.intake import Intake
@@ -273,33 +273,12 @@ class Recording:
             params = self.sampling.for_prompt(spec)
         except ValueError as exc:
             raise InputError(self.source, spec.line, None, str(exc)) from None
-        vocab = self._vocab_size()
         n = len(ids)
         if n == 0:
             raise InputError(self.source, spec.line, "prompt", "empty after tokenization")
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise InputError(
-                self.source,
-                spec.line,
-                "prompt_token_ids",
-                f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
-            )
-        if n >= self.max_model_len:
-            raise InputError(
-                self.source,
-                spec.line,
-                "prompt",
-                f"prompt has {n} tokens; the model's context is {self.max_model_len}",
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise InputError(
-                self.source,
-                spec.line,
-                "max_tokens",
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len}",
-            )
+        problem = request_problem(ids, params.max_tokens, self._vocab_size(), self.max_model_len)
+        if problem is not None:
+            raise InputError(self.source, spec.line, *problem)
         need = n + params.max_tokens - 1  # KV slots: the last sampled token is never run
         if need > self._largest.tokens:
             self._largest = _Largest(need, spec.id, f"{self.source}:{spec.line}")

@@ -38,6 +38,31 @@ class EngineStats:
     preemptions: int = 0
 
 
+def request_problem(
+    prompt_token_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int
+) -> tuple[str, str] | None:
+    """(input field, one-line problem) for a request that can never run, or None.
+
+    Shared by the engine and by the CLI's check of a whole prompt file before
+    the weights load, so both refuse the same requests with the same words.
+    """
+    if not prompt_token_ids:
+        return "prompt", "empty prompt"
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return "prompt_token_ids", f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        return "prompt", f"prompt has {n} tokens; the model's context is {max_model_len}"
+    if n + max_tokens > max_model_len:
+        return (
+            "max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {max_model_len}",
+        )
+    return None
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -92,25 +117,12 @@ class LLMEngine:
     # --------------------------------------------------------------- requests
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Refuse, before any work, a request that could never complete."""
-        if not prompt_token_ids:
-            raise RequestRejected("prompt", "empty prompt")
-        vocab = self.model.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(
-                "prompt_token_ids", f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
-            )
+        problem = request_problem(
+            prompt_token_ids, sampling.max_tokens, self.model.vocab_size, self.max_model_len
+        )
+        if problem is not None:
+            raise RequestRejected(*problem)
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise RequestRejected(
-                "prompt", f"prompt has {n} tokens; the model's context is {self.max_model_len}"
-            )
-        if n + sampling.max_tokens > self.max_model_len:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len}",
-            )
         bs = self.config.block_size
         blocks = -(-(n + sampling.max_tokens - 1) // bs)
         if blocks > self.block_manager.num_blocks:
