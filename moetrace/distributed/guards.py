@@ -16,6 +16,7 @@ import torch
 
 from moetrace.distributed.state import ParallelConfig
 from moetrace.errors import MoetraceError
+from moetrace.models.config_fields import num_routed_experts
 
 # Architecture -> config keys of the MoE expert width and of any dense/shared MLP width.
 TENSOR_PARALLEL_FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -27,10 +28,6 @@ TENSOR_PARALLEL_FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
     "MixtralForCausalLM": {"experts": ("intermediate_size",), "dense": ()},
 }
 SHARED_EXPERT_FAMILIES = ("Qwen2MoeForCausalLM",)
-
-
-def _num_experts(config: dict) -> int:
-    return int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
 
 
 def _architecture(config: dict) -> str:
@@ -77,7 +74,7 @@ def check_model_shardable(config: dict, parallel: ParallelConfig) -> None:
             f"--tensor-parallel-size {tp} neither divides nor is a multiple of the {kv_heads} "
             "key/value heads"
         )
-    experts = _num_experts(config)
+    experts = num_routed_experts(config)
     if parallel.enable_expert_parallel:
         if experts % tp:
             raise MoetraceError(

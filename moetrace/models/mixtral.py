@@ -29,15 +29,11 @@ from moetrace.models.common import (
     map_norms,
     require_silu,
 )
+from moetrace.models.config_fields import MIXTRAL_EXPERT_KEYS, num_routed_experts
 from moetrace.models.weights import WeightMap
 
 RMS_EPS = 1e-5
 ROPE_THETA = 1e6  # MixtralConfig's default theta, for configs that give none
-
-
-def mixtral_num_experts(config: dict) -> int:
-    """Published checkpoints say ``num_local_experts``; ``num_experts`` is its alias."""
-    return int(config.get("num_local_experts", config.get("num_experts", 0)) or 0)
 
 
 def mixtral_rope(config: dict) -> tuple[float, dict]:
@@ -50,7 +46,7 @@ class MixtralMoeBlock(MoEBlockBase):
         super().__init__()
         hidden = config["hidden_size"]
         self.top_k = config["num_experts_per_tok"]
-        num_experts = mixtral_num_experts(config)
+        num_experts = num_routed_experts(config, MIXTRAL_EXPERT_KEYS)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, config["intermediate_size"])
 
@@ -69,7 +65,7 @@ class MixtralForCausalLM(DecoderLM):
         require_silu(config)
         self.config = config
         hidden = config["hidden_size"]
-        self.num_experts = mixtral_num_experts(config)
+        self.num_experts = num_routed_experts(config, MIXTRAL_EXPERT_KEYS)
         if self.num_experts <= 0:
             raise ModelError("Mixtral config has no num_local_experts")
         self.top_k = config["num_experts_per_tok"]

@@ -27,14 +27,10 @@ from moetrace.models.common import (
     map_norms,
     require_silu,
 )
+from moetrace.models.config_fields import num_routed_experts
 from moetrace.models.weights import WeightMap
 
 RMS_EPS = 1e-5  # OlmoeConfig's default, for configs that leave it out
-
-
-def olmoe_num_experts(config: dict) -> int:
-    """Published checkpoints say ``num_experts``; ``num_local_experts`` is its alias."""
-    return int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
 
 
 class OlmoeMoeBlock(MoEBlockBase):
@@ -43,7 +39,7 @@ class OlmoeMoeBlock(MoEBlockBase):
         hidden = config["hidden_size"]
         self.top_k = config["num_experts_per_tok"]
         self.renormalize = bool(config.get("norm_topk_prob", False))
-        num_experts = olmoe_num_experts(config)
+        num_experts = num_routed_experts(config)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, config["intermediate_size"])
 
@@ -63,7 +59,7 @@ class OlmoeForCausalLM(DecoderLM):
         require_silu(config)
         self.config = config
         hidden = config["hidden_size"]
-        self.num_experts = olmoe_num_experts(config)
+        self.num_experts = num_routed_experts(config)
         if self.num_experts <= 0:
             raise ModelError("OLMoE config has no num_experts")
         self.top_k = config["num_experts_per_tok"]

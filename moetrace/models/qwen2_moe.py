@@ -32,14 +32,11 @@ from moetrace.models.common import (
     map_norms,
     require_silu,
 )
+from moetrace.models.config_fields import num_routed_experts
 from moetrace.models.qwen3_moe import qwen3_moe_layer_indices
 from moetrace.models.weights import WeightMap
 
 RMS_EPS = 1e-6
-
-
-def qwen2_moe_num_experts(config: dict) -> int:
-    return int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
 
 
 def qwen2_moe_sliding_windows(config: dict) -> list[int | None]:
@@ -64,7 +61,7 @@ class Qwen2MoeBlock(MoEBlockBase):
         hidden = config["hidden_size"]
         self.top_k = config["num_experts_per_tok"]
         self.renormalize = bool(config.get("norm_topk_prob", False))
-        num_experts = qwen2_moe_num_experts(config)
+        num_experts = num_routed_experts(config)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, config["moe_intermediate_size"])
         self.shared_expert = DenseMLP(hidden, config["shared_expert_intermediate_size"])
@@ -87,7 +84,7 @@ class Qwen2MoeForCausalLM(DecoderLM):
         require_silu(config)
         self.config = config
         hidden = config["hidden_size"]
-        self.num_experts = qwen2_moe_num_experts(config)
+        self.num_experts = num_routed_experts(config)
         self.top_k = config["num_experts_per_tok"]
         self.moe_layer_indices = qwen3_moe_layer_indices(config)
         if not self.moe_layer_indices:

@@ -26,22 +26,19 @@ from moetrace.models.common import (
     map_fused_attention,
     map_norms,
 )
+from moetrace.models.config_fields import num_routed_experts
 from moetrace.models.weights import WeightMap
 
 
 def qwen3_moe_layer_indices(config: dict) -> list[int]:
     mlp_only = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step", 1) or 1)
-    num_experts = _num_experts(config)
+    num_experts = num_routed_experts(config)
     return [
         i
         for i in range(config["num_hidden_layers"])
         if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
     ]
-
-
-def _num_experts(config: dict) -> int:
-    return int(config.get("num_experts", config.get("num_local_experts", 0)) or 0)
 
 
 class Qwen3MoeBlock(MoEBlockBase):
@@ -50,8 +47,10 @@ class Qwen3MoeBlock(MoEBlockBase):
         hidden = config["hidden_size"]
         self.top_k = config["num_experts_per_tok"]
         self.renormalize = bool(config.get("norm_topk_prob", False))
-        self.gate = nn.Parameter(torch.empty(_num_experts(config), hidden))
-        self.experts = MoEExperts(_num_experts(config), hidden, config["moe_intermediate_size"])
+        self.gate = nn.Parameter(torch.empty(num_routed_experts(config), hidden))
+        self.experts = MoEExperts(
+            num_routed_experts(config), hidden, config["moe_intermediate_size"]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate)
@@ -67,7 +66,7 @@ class Qwen3MoeForCausalLM(DecoderLM):
         super().__init__()
         self.config = config
         hidden = config["hidden_size"]
-        self.num_experts = _num_experts(config)
+        self.num_experts = num_routed_experts(config)
         self.top_k = config["num_experts_per_tok"]
         self.moe_layer_indices = qwen3_moe_layer_indices(config)
         self.max_model_len = int(config.get("max_position_embeddings", 32768))
