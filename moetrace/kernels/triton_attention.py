@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from moetrace.engine.context import AttentionMetadata
+from moetrace.layers.attention import store_kv_torch  # the plain path, and the baseline benchmarked
 
 _LOG2E = 1.4426950408889634
 
@@ -136,22 +137,6 @@ def store_kv(
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4 if num_heads * head_dim >= 1024 else 2,
     )
-
-
-def store_kv_torch(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """``index_copy_`` on the flattened caches: the CPU path and the benchmark's baseline.
-
-    Needs every slot valid (no -1 padding) and contiguous caches.
-    """
-    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 # ---------------------------------------------------------------------------
