@@ -75,3 +75,27 @@ def assert_shape_parity(
     # Small steps and blocks: chunked prefill, prefix hits and decode all take part.
     chosen = prompts(len(name)) if prompt_set is None else prompt_set
     assert_parity(ckpt, chosen, **{"max_num_batched_tokens": 8, "max_num_seqs": 3, **engine})
+
+
+def record_dummy_trace(
+    checkpoint: Path, tmp_path: Path, lines: list[dict], *, max_tokens: int = 2, **options
+) -> Path:
+    """Record ``lines`` through the real recording path on dummy weights; returns the trace."""
+    import json
+
+    from moetrace.recording import Recording, SamplingDefaults
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "t.h5"
+    Recording(
+        str(checkpoint),
+        str(prompts),
+        out,
+        engine=EngineConfig(num_kv_blocks=16, block_size=4),
+        sampling=SamplingDefaults(max_tokens=max_tokens),
+        device="cpu",
+        load_format="dummy",
+        **options,
+    ).run()
+    return out

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import make_tiny_checkpoint
-from parity import assert_parity, assert_shape_parity, record
+from parity import assert_parity, assert_shape_parity, record, record_dummy_trace
 from parity import prompts as parity_prompts
 
 from moetrace.config import EngineConfig
@@ -19,7 +19,6 @@ from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import ModelError
 from moetrace.layers.mla import MultiHeadLatentAttention
 from moetrace.models.loader import instantiate, load_model
-from moetrace.recording import Recording, SamplingDefaults
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 YARN = {
@@ -89,18 +88,8 @@ def test_hub_style_keys_two_dense_layers_and_biases(tmp_path):
 def test_dense_layers_get_no_routing_rows_in_the_trace(tmp_path):
     ckpt = make_tiny_checkpoint("deepseek_v2", tmp_path / "m", seed=2, first_k_dense_replace=2)
     lines = [{"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 3}]
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    Recording(
-        str(ckpt),
-        str(tmp_path / "p.jsonl"),
-        tmp_path / "t.h5",
-        engine=EngineConfig(num_kv_blocks=16, block_size=4),
-        sampling=SamplingDefaults(),
-        device="cpu",
-        dtype="float32",
-        load_format="dummy",
-    ).run()
-    with h5py.File(tmp_path / "t.h5", "r") as f:
+    trace = record_dummy_trace(ckpt, tmp_path, lines, dtype="float32")
+    with h5py.File(trace, "r") as f:
         assert f.attrs["moe_layer_indices"].tolist() == [2]
         assert f.attrs["architecture"] == "DeepseekV2ForCausalLM"
         assert f["routed_experts"].shape == (6, 1, 2)

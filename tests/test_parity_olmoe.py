@@ -8,11 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from hf_reference import make_tiny_checkpoint
-from parity import assert_parity, assert_shape_parity, prompts
+from parity import assert_parity, assert_shape_parity, prompts, record_dummy_trace
 
-from moetrace.config import EngineConfig
 from moetrace.models.loader import instantiate
-from moetrace.recording import Recording, SamplingDefaults
 from moetrace.trace.reader import open_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,17 +47,7 @@ def test_hub_style_config_keys(tmp_path):
 def test_trace_metadata_from_dummy_weights(tmp_path):
     ckpt = make_tiny_checkpoint("olmoe", tmp_path / "m", seed=1, num_experts_per_tok=3)
     lines = [{"id": str(i), "prompt_token_ids": [5 + i, 6, 7]} for i in range(2)]
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    Recording(
-        str(ckpt),
-        str(tmp_path / "p.jsonl"),
-        tmp_path / "t.h5",
-        engine=EngineConfig(num_kv_blocks=16, block_size=4),
-        sampling=SamplingDefaults(max_tokens=2),
-        device="cpu",
-        load_format="dummy",
-    ).run()
-    with open_trace(tmp_path / "t.h5") as trace:
+    with open_trace(record_dummy_trace(ckpt, tmp_path, lines)) as trace:
         meta = trace.metadata
         assert meta["architecture"] == "OlmoeForCausalLM"
         assert list(meta["moe_layer_indices"]) == [0, 1, 2]
