@@ -43,6 +43,7 @@ class RoutedExpertsManager:
         lists.wait()
         self.rows[lists.slots] = lists.routing
         self.row_epochs[lists.slots] = lists.slot_epochs
+        lists.release()
 
     def gather(self, block_table: list[int], num_rows: int) -> tuple[np.ndarray, int]:
         """Rows of the first ``num_rows`` tokens and how many of them, from the start, are fresh."""

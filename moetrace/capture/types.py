@@ -24,3 +24,4 @@ class RoutedExpertsLists(NamedTuple):
     slots: np.ndarray  # int64 [num_tokens]: KV slot of each token
     slot_epochs: np.ndarray  # int64 [num_tokens]: epoch of the slot's block when scheduled
     wait: Callable[[], None]  # blocks until ``routing`` holds the step's rows
+    release: Callable[[], None] = lambda: None  # the rows were stored: their buffer may be reused
