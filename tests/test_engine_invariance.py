@@ -103,3 +103,36 @@ def test_aborted_requests_keep_the_rows_they_computed(model, prompts, baseline):
         # Every row it kept is the row the uninterrupted run computed for that token.
         np.testing.assert_array_equal(f.routed_experts, ref[: f.num_rows])
     assert any(f.num_rows > 0 for f in aborted.values())
+
+
+def test_two_live_engines_on_one_model_keep_their_own_cache_and_capture(model, prompts, baseline):
+    """The benchmark keeps a capture and a no-capture engine on one model, stepped in turn.
+
+    Each must run on its own KV cache and capturer: before the runner rebound
+    them per step, creating the second engine took both from the first (the
+    first then recorded nothing, and on the GPU its graphs replayed into a
+    freed cache).
+    """
+    from moetrace.config import EngineConfig
+    from moetrace.engine.llm_engine import LLMEngine
+    from moetrace.engine.sampling import SamplingParams
+
+    def engine(capture: bool) -> LLMEngine:
+        config = EngineConfig(
+            num_kv_blocks=64, block_size=4, max_num_seqs=3, capture_routing=capture
+        )
+        eng = LLMEngine(model, config, torch.device("cpu"))
+        for index, (rid, ids) in enumerate(prompts.items()):
+            eng.add_request(rid, ids, SamplingParams(max_tokens=6), index=index)
+        return eng
+
+    capturing, plain = engine(True), engine(False)
+    done: dict[bool, dict] = {True: {}, False: {}}
+    while capturing.has_unfinished() or plain.has_unfinished():
+        for capture, eng in ((True, capturing), (False, plain)):
+            if eng.has_unfinished():
+                done[capture].update({f.request_id: f for f in eng.step()})
+    for rid, ref in baseline.items():
+        np.testing.assert_array_equal(done[True][rid].routed_experts, ref.routed_experts)
+        for capture in (True, False):
+            np.testing.assert_array_equal(done[capture][rid].output_token_ids, ref.output_token_ids)

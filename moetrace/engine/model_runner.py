@@ -95,7 +95,8 @@ class ModelRunner:
             )
         if self.parallel is not None:
             self.capturer = wrap_capturer(self.capturer, self.parallel)
-        model.set_capturer(self.capturer)
+        self._binding = object()  # marks the model as holding this runner's caches
+        self.bind()
         self.graphs: DecodeGraphs | None = None
         # The plain-torch paths read host-side lengths and counts, which a graph would freeze.
         all_kernel = all(m.use_triton for m in model.modules() if hasattr(m, "use_triton"))
@@ -121,13 +122,34 @@ class ModelRunner:
         # cleared (its pages stay untouched until used); on the GPU, zeros keep
         # masked kernel lanes finite.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in self.model.attention_layers():
             shape = (num_blocks, self.block_size, *layer.kv_cache_shape())
-            layer.k_cache = alloc(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = alloc(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append(
+                (
+                    alloc(shape, dtype=self.dtype, device=self.device),
+                    alloc(shape, dtype=self.dtype, device=self.device),
+                )
+            )
+
+    def bind(self) -> None:
+        """Point the model's layers at this runner's KV cache and capturer.
+
+        The caches and capturer live on the model's modules, so a second engine
+        on the same model (the benchmark's capture-on and capture-off engines)
+        rebinds them.  The runner keeps its own references, so its captured
+        graphs never point at freed memory, and every step rebinds first.
+        """
+        if getattr(self.model, "_moetrace_binding", None) is self._binding:
+            return
+        for layer, (k, v) in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+            layer.k_cache, layer.v_cache = k, v
+        self.model.set_capturer(self.capturer)
+        self.model._moetrace_binding = self._binding
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
+            self.bind()
             self.graphs.capture()
 
     # ----------------------------------------------------------------- execute
@@ -136,6 +158,7 @@ class ModelRunner:
         self, output: SchedulerOutput, block_epochs: np.ndarray, previous: LaunchedStep | None
     ) -> LaunchedStep:
         """Queue one step; tokens still being sampled by ``previous`` are read on the device."""
+        self.bind()
         plan = build_plan(output, self.block_size)
         slot_epochs = block_epochs[plan.slots // self.block_size]
         fill_index = self._fill_index(plan, previous)
