@@ -235,14 +235,26 @@ def test_mixed_prefill_decode_prefix_hits(
     _check_attention(q_lens, seq_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=1)
 
 
+def _step_lengths(decode: bool) -> tuple[list[int], list[int]]:
+    """(query lengths, sequence lengths) of a decode batch or of the mixed prefill batch."""
+    if decode:
+        return [1] * len(DECODE_CTX), DECODE_CTX
+    return PREFILL
+
+
 @pytest.mark.parametrize("window", [1, 7, 64, 300])
 @pytest.mark.parametrize("decode", [True, False])
 def test_sliding_window(window: int, decode: bool) -> None:
-    q_lens, seq_lens = PREFILL
-    if decode:
-        seq_lens = DECODE_CTX
-        q_lens = [1] * len(seq_lens)
+    q_lens, seq_lens = _step_lengths(decode)
     _check_attention(q_lens, seq_lens, 2, 4, 64, 16, BF16, window=window, seed=2)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24])
+@pytest.mark.parametrize("decode", [True, False])
+def test_heads_narrower_than_a_tensor_core_dot(head_dim: int, decode: bool) -> None:
+    """Tiny test checkpoints have 8-wide heads; the dots need K >= 16, so lanes are padded."""
+    q_lens, seq_lens = _step_lengths(decode)
+    _check_attention(q_lens, seq_lens, 2, 2, head_dim, 16, BF16, seed=4)
 
 
 def test_fp32_cache() -> None:

@@ -465,7 +465,8 @@ def _launch_attention(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_q = block_m // group
-    block_d = triton.next_power_of_2(head_dim)
+    # Tensor-core dots need K >= 16: narrower heads are padded (masked lanes read as 0).
+    block_d = max(16, triton.next_power_of_2(head_dim))
     num_seqs = meta.seq_lens.shape[0]
     grid = (triton.cdiv(meta.max_query_len, block_q), num_seqs, num_kv_heads * num_splits)
     use_window = sliding_window is not None and sliding_window > 0
