@@ -25,7 +25,6 @@ from moetrace.engine.sampler import SamplingBatch, sample
 from moetrace.engine.scheduler import SchedulerOutput
 from moetrace.engine.staging import StagingRing
 from moetrace.engine.step_plan import StepPlan, build_plan
-from moetrace.layers.moe import MoEExperts
 from moetrace.models.base import MoEForCausalLM
 
 
@@ -107,13 +106,14 @@ class ModelRunner:
             )
 
     def _set_kernel_paths(self) -> None:
-        # The fused-MoE tiles are tuned and tested for 16-bit weights only; float32
-        # and float64 experts take the plain path (correct, slower, no graphs).
+        # Some kernels are for 16-bit weights only (the fused-MoE tiles are tuned
+        # for them; the norm kernel rounds like the plain path only there): with
+        # float32 or float64 those modules take the plain path (no graphs then).
         half = self.dtype in (torch.bfloat16, torch.float16)
         for module in self.model.modules():
             if hasattr(module, "use_triton"):
                 capable = getattr(module, "kernel_capable", True)
-                if isinstance(module, MoEExperts):
+                if getattr(module, "kernel_half_only", False):
                     capable = capable and half
                 module.use_triton = self.use_kernels and capable
 

@@ -117,8 +117,13 @@ class FusedQKVAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        if self.attn.use_triton and q.dtype == torch.bfloat16:
+            from moetrace.kernels.triton_norm import rotary  # Triton only where kernels run
+
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        else:
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(t, -1))
 

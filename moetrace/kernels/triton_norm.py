@@ -1,0 +1,168 @@
+"""Triton RMSNorm and rotary embedding: one launch each where torch takes five or six.
+
+In a decode step at batch 256 the MoE and attention kernels are large, and
+what remains is dozens of tiny elementwise launches per layer (the float32
+cast, square, mean, rsqrt and two products of a norm; slices, negation,
+concatenation and three products of a rotary embedding).  These kernels do
+the same arithmetic in one pass each and round where the reference rounds:
+
+* RMSNorm: float32 statistics, the normalised row cast to the input dtype,
+  then multiplied by the weight in that dtype (as transformers' modules do).
+* Rotary (half-split layout): ``x * cos`` and ``rotate_half(x) * sin`` each
+  rounded to the input dtype before their sum, which is rounded again: the
+  three roundings of the torch expression, done on the bits (see
+  ``_round_to_bf16``), so results are bit-identical.  bfloat16 only.
+
+Both take ``[rows, heads, dim]`` inputs with any row and head strides (views
+of a fused QKV projection) and write a contiguous output.  The norm takes
+16-bit dtypes only: with float32 the compiler may fuse a product into an add
+(FMA), which would no longer round like the plain path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    dim,
+    eps,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    t = (row // num_heads).to(tl.int64)
+    h = row % num_heads
+    d = tl.arange(0, BLOCK_D)
+    ok = d < dim
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / dim + eps)  # libdevice rsqrtf, as torch's CUDA rsqrt
+    normed = (x * rstd).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0)
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row.to(tl.int64) * dim + d, y, mask=ok)
+
+
+def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``x`` as [T, H, D] with unit stride on D: (view, T, H, D)."""
+    if x.dim() == 2:
+        x = x[:, None, :]
+    if x.dim() != 3 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
+    return x, x.shape[0], x.shape[1], x.shape[2]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a 2-D or 3-D tensor; output contiguous, like ``x``."""
+    shape = x.shape
+    rows, t, h, d = _as_rows(x)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if t * h == 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    _rms_norm_kernel[(t * h,)](
+        rows,
+        weight,
+        out,
+        h,
+        rows.stride(0),
+        rows.stride(1),
+        d,
+        eps,
+        BLOCK_D=block_d,
+        num_warps=min(8, max(1, block_d // 256)),
+    )
+    return out
+
+
+@triton.jit
+def _round_to_bf16(v):
+    """float32 to the nearest bfloat16 (ties to even), kept in float32.
+
+    Integer arithmetic on the bits: compiled for the H200, a cast down and back
+    up (``v.to(bf16).to(fp32)``) was folded away, so the sum was rounded once
+    instead of three times; nothing folds these integer operations.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    ok = (h[:, None] < num_heads) & (i[None, :] < HALF)
+    base = x_ptr + t * stride_xt + h[:, None] * stride_xh + i[None, :]
+    x1 = tl.load(base, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0)
+    # cos/sin rows are [cos(f), cos(f)]: the two halves share the same angles,
+    # but read both, as the reference multiplies by each half's own entries.
+    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + i, mask=i < HALF, other=0.0)[None, :]
+    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=i < HALF, other=0.0)[None, :]
+    s2 = tl.load(sin_ptr + t * stride_ct + HALF + i, mask=i < HALF, other=0.0)[None, :]
+    ty = out_ptr.dtype.element_ty
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    c1, c2, s1, s2 = c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
+    # out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to
+    # bfloat16 (a product of two bfloat16 values is exact in float32).
+    lo = _round_to_bf16(_round_to_bf16(f1 * c1) + _round_to_bf16(-(f2 * s1)))
+    hi = _round_to_bf16(_round_to_bf16(f2 * c2) + _round_to_bf16(f1 * s2))
+    dst = out_ptr + (t * num_heads + h[:, None]) * (2 * HALF) + i[None, :]
+    tl.store(dst, lo.to(ty), mask=ok)
+    tl.store(dst + HALF, hi.to(ty), mask=ok)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding of ``x [T, H, D]`` with ``cos``/``sin`` ``[T, D]``."""
+    t, h, d = x.shape
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the rotary kernel rounds like bfloat16 only, got {x.dtype}")
+    if cos.shape != (t, d) or sin.shape != (t, d) or d % 2:
+        raise ValueError(f"rotary: x {tuple(x.shape)} vs cos {tuple(cos.shape)}")
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    half = d // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(h), max(1, 4096 // (2 * block_half)))
+    _rotary_kernel[(t, triton.cdiv(h, block_h))](
+        x,
+        cos,
+        sin,
+        out,
+        h,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+    )
+    return out
