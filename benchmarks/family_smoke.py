@@ -220,6 +220,8 @@ def smoke(name: str, cfg: dict, args: argparse.Namespace, work: Path, device: st
     cmd = [*cli, "record", str(model), str(prompts), "-o", str(out), "--load-format", "dummy"]
     cmd += ["--max-tokens", str(args.max_tokens), "--ignore-eos", "--overwrite", "-q"]
     cmd += ["--device", device, "--max-model-len", str(args.max_model_len)]
+    # Few sequences: decode graphs for batch 1..N only, so each family starts in seconds.
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     start = time.perf_counter()
     proc = run(cmd)
     wall = time.perf_counter() - start
@@ -271,6 +273,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
