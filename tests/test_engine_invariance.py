@@ -50,6 +50,7 @@ def test_rows_and_tokens_identical_across_engine_settings(model, prompts, baseli
     done, engine = run_requests(model, prompts, **SETTINGS[name])
     engine.block_manager.check_no_leaks()
     assert set(done) == set(prompts)
+    assert engine.stats.output_tokens == sum(f.output_len for f in done.values())
     for rid, ref in baseline.items():
         got = done[rid]
         np.testing.assert_array_equal(got.output_token_ids, ref.output_token_ids, err_msg=rid)
@@ -136,3 +137,15 @@ def test_two_live_engines_on_one_model_keep_their_own_cache_and_capture(model, p
         np.testing.assert_array_equal(done[True][rid].routed_experts, ref.routed_experts)
         for capture in (True, False):
             np.testing.assert_array_equal(done[capture][rid].output_token_ids, ref.output_token_ids)
+
+
+def test_async_stats_count_only_the_tokens_kept(model, prompts):
+    """A request that stops on a sampled token already has its next step in flight;
+    the token that step samples is dropped, and must not count as output."""
+    sampling = dict(temperature=1.0, seed=11, stop_token_ids=list(range(0, 97, 3)))
+    done, engine = run_requests(
+        model, prompts, max_tokens=12, sampling=sampling, async_scheduling=True, max_num_seqs=4
+    )
+    kept = sum(f.output_len for f in done.values())
+    assert any(f.finish_reason == "stop" and f.output_len < 12 for f in done.values())
+    assert engine.stats.output_tokens == kept

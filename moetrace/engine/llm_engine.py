@@ -172,7 +172,7 @@ class LLMEngine:
             self.routing_manager.store_batch(step.routing)
         finished = self.scheduler.update(step.output, sampled)
         self.stats.steps += 1
-        self.stats.output_tokens += len(sampled)
+        self.stats.output_tokens = self.scheduler.tokens_appended
         return [self._finish(r) for r in finished]
 
     def _drain(self) -> list[FinishedRequest]:

@@ -66,6 +66,7 @@ class Scheduler:
         self.before_free = before_free or (lambda request: None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.tokens_appended = 0  # sampled tokens kept (not those dropped after a request ended)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -168,6 +169,7 @@ class Scheduler:
                 continue
             if item.samples:
                 request.append_token(sampled[request.request_id])
+                self.tokens_appended += 1
             known = min(request.num_computed_tokens, request.num_tokens)
             self.block_manager.register_computed_blocks(request, known)
             if item.samples and request.check_stop():
