@@ -15,6 +15,7 @@ the ids it holds (docs/reliability.md).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError, InputError, ModelError, MoetraceError
 from moetrace.intake import Intake
 from moetrace.models.demo import model_dir
+from moetrace.models.fingerprint import weights_digest
 from moetrace.models.loader import config_digest, load_model, read_config, resolve_dtype
 from moetrace.models.registry import resolve_architecture
 from moetrace.prompts import STDIN, PromptSpec, iter_prompts
@@ -252,6 +254,11 @@ class Recording:
             self._engine_settings(self.max_model_len, None),
         )
 
+    @functools.cached_property
+    def weights_digest(self) -> str:
+        """Computed when first needed, so that config errors are reported before weight ones."""
+        return weights_digest(model_dir(self.model_name), self._effective_load_format())
+
     def _effective_load_format(self) -> str:
         """auto and safetensors load the same weights; only dummy differs."""
         return "dummy" if self.load_format == "dummy" else "safetensors"
@@ -261,6 +268,7 @@ class Recording:
             **self.engine_config.to_dict(),
             "device": self.device.type,
             "load_format": self._effective_load_format(),
+            "weights_digest": self.weights_digest,
             "sampling_defaults": self.sampling.__dict__,
             "max_model_len": max_model_len,
             "num_kv_blocks": num_kv_blocks,

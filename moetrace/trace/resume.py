@@ -2,8 +2,9 @@
 
 A resumed file must equal one uninterrupted run's, request by request.  So
 the settings that change what a request records must match the trace's:
-the model (config digest), compute dtype, device, load format, run seed,
-context length and the sampling defaults.  Settings that only change how the
+the model (config digest and a sampled digest of the weights), compute
+dtype, device, load format, run seed, context length and the sampling
+defaults.  Settings that only change how the
 engine batches (``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--block-size``, ``--num-kv-blocks``, prefix caching, memory share) may
 differ: rows and tokens are invariant to them, which
@@ -31,6 +32,7 @@ from moetrace.trace.reader import Trace
 # Setting -> how the user names it; the sampling defaults are compared one by one.
 SETTING_NAMES = {
     "config_digest": "model config (config.json digest)",
+    "weights_digest": "model weights (sampled digest of the safetensors files)",
     "dtype": "--dtype",
     "device": "--device",
     "load_format": "--load-format",
@@ -54,6 +56,7 @@ def result_settings(config_digest: str, dtype: str, engine_settings: dict) -> di
         "dtype": dtype,
         "device": engine_settings.get("device"),
         "load_format": engine_settings.get("load_format"),
+        "weights_digest": engine_settings.get("weights_digest"),
         "seed": engine_settings.get("seed"),
         "max_model_len": engine_settings.get("max_model_len"),
     }
@@ -94,11 +97,15 @@ class ResumePoint:
         return True
 
 
+# Settings that traces written before they existed lack: not compared with those.
+ADDED_LATER = {"weights_digest"}
+
+
 def mismatches(stored: dict, wanted: dict) -> list[str]:
     return [
         f"{SETTING_NAMES.get(key, key)} {_show(stored.get(key))} (this run: {_show(value)})"
         for key, value in wanted.items()
-        if stored.get(key) != value
+        if stored.get(key) != value and not (key in ADDED_LATER and stored.get(key) is None)
     ]
 
 
