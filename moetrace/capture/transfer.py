@@ -44,10 +44,6 @@ class RoutingTransfer:
             self._copy_stream = torch.cuda.Stream(device=device)
             self._last_copy: torch.cuda.Event | None = None
 
-    @property
-    def ring_size(self) -> int:
-        return len(self._ring)
-
     def _add_slot(self) -> int:
         self._ring.append(torch.empty(self._shape, dtype=torch.int32, pin_memory=True))
         self._done.append(torch.cuda.Event())

@@ -114,6 +114,8 @@ class MoEExperts(nn.Module):
     on the plain path: such experts say ``kernel_capable = False``.
     """
 
+    kernel_half_only = True  # the fused-MoE tiles are tuned for 16-bit weights
+
     def __init__(
         self,
         num_experts: int,
@@ -138,7 +140,6 @@ class MoEExperts(nn.Module):
             self.register_parameter("b13", None)
             self.register_parameter("b2", None)
         self.kernel_capable = not bias and activation not in GATED_ACTIVATIONS
-        self.kernel_half_only = True  # the fused-MoE tiles are tuned for 16-bit weights
         self.use_triton = False
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,11 @@ A resumed file must equal one uninterrupted run's, request by request.  So
 the settings that change what a request records must match the trace's:
 the model (config digest and a sampled digest of the weights), compute
 dtype, device, load format, run seed, context length and the sampling
-defaults.  Settings that only change how the
-engine batches (``--max-num-seqs``, ``--max-num-batched-tokens``,
-``--block-size``, ``--num-kv-blocks``, prefix caching, memory share) may
-differ: rows and tokens are invariant to them, which
-tests/test_engine_invariance.py proves bit for bit.
+defaults.  Settings that only change how the engine batches
+(``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``,
+``--num-kv-blocks``, prefix caching, memory share) may differ: rows and
+tokens are invariant to them, which tests/test_engine_invariance.py proves
+bit for bit.
 
 The trace's records must also be sound: every record's offsets and lengths
 are checked (the table only), and the tail is checked against its data as the
