@@ -16,10 +16,10 @@ from torch import nn
 
 from moetrace.errors import ModelError
 from moetrace.layers.attention import PagedAttention
-from moetrace.layers.moe import MoEExperts
+from moetrace.layers.moe import MoEExperts, softmax_topk
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding
-from moetrace.models.base import MoEForCausalLM
+from moetrace.models.base import MoEBlockBase, MoEForCausalLM
 from moetrace.models.weights import WeightMap
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -54,6 +54,41 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down)
+
+
+class SoftmaxTopKMoEBlock(MoEBlockBase):
+    """Gate, softmax over every expert, top-k (renormalised or not), routed experts.
+
+    OLMoE, Mixtral, Qwen2-MoE and Qwen3-MoE route this way.  They differ in one
+    detail of their references: OLMoE, Mixtral and Qwen2-MoE take the logits to
+    float32 even in a float64 model (``logits_in_float32``); Qwen3-MoE keeps
+    float64.  In 16-bit models both are the same float32 softmax.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        top_k: int,
+        *,
+        renormalize: bool,
+        logits_in_float32: bool,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.logits_in_float32 = logits_in_float32
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden))
+        self.experts = MoEExperts(num_experts, hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate)
+        if self.logits_in_float32:
+            logits = logits.float()
+        weights, ids = softmax_topk(logits, self.top_k, renormalize=self.renormalize)
+        self.record(ids)
+        return self.experts(x, weights.to(x.dtype), ids)
 
 
 class FusedQKVAttention(nn.Module):

@@ -10,19 +10,16 @@ expert as ``w1`` (gate), ``w3`` (up), ``w2`` (down).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.moe import MoEExperts, softmax_topk
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
-from moetrace.models.base import MoEBlockBase
 from moetrace.models.common import (
     DecoderLM,
     FusedQKVAttention,
     PreNormDecoderLayer,
+    SoftmaxTopKMoEBlock,
     head_dim_of,
     map_experts,
     map_fused_attention,
@@ -41,20 +38,15 @@ def mixtral_rope(config: dict) -> tuple[float, dict]:
     return rope_settings(config if given else {**config, "rope_theta": ROPE_THETA})
 
 
-class MixtralMoeBlock(MoEBlockBase):
-    def __init__(self, config: dict) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.top_k = config["num_experts_per_tok"]
-        num_experts = num_routed_experts(config, MIXTRAL_EXPERT_KEYS)
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden))
-        self.experts = MoEExperts(num_experts, hidden, config["intermediate_size"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate).float()
-        weights, ids = softmax_topk(logits, self.top_k, renormalize=True)
-        self.record(ids)
-        return self.experts(x, weights.to(x.dtype), ids)
+def mixtral_block(config: dict) -> SoftmaxTopKMoEBlock:
+    return SoftmaxTopKMoEBlock(
+        num_routed_experts(config, MIXTRAL_EXPERT_KEYS),
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_experts_per_tok"],
+        renormalize=True,  # top-k then renormalise, always
+        logits_in_float32=True,
+    )
 
 
 class MixtralForCausalLM(DecoderLM):
@@ -82,7 +74,7 @@ class MixtralForCausalLM(DecoderLM):
             PreNormDecoderLayer(
                 lambda: RMSNorm(hidden, eps),
                 FusedQKVAttention(config, self.rotary, window=window),
-                MixtralMoeBlock(config),
+                mixtral_block(config),
                 "block_sparse_moe",
             )
             for _ in range(config["num_hidden_layers"])

@@ -8,19 +8,16 @@ because either one changes the hidden states the routers see.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.moe import MoEExperts, softmax_topk
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
-from moetrace.models.base import MoEBlockBase
 from moetrace.models.common import (
     DecoderLM,
     FusedQKVAttention,
     PreNormDecoderLayer,
+    SoftmaxTopKMoEBlock,
     head_dim_of,
     map_experts,
     map_fused_attention,
@@ -33,22 +30,15 @@ from moetrace.models.weights import WeightMap
 RMS_EPS = 1e-5  # OlmoeConfig's default, for configs that leave it out
 
 
-class OlmoeMoeBlock(MoEBlockBase):
-    def __init__(self, config: dict) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.top_k = config["num_experts_per_tok"]
-        self.renormalize = bool(config.get("norm_topk_prob", False))
-        num_experts = num_routed_experts(config)
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden))
-        self.experts = MoEExperts(num_experts, hidden, config["intermediate_size"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The reference's softmax is float32 whatever the model dtype (float64 included).
-        logits = F.linear(x, self.gate).float()
-        weights, ids = softmax_topk(logits, self.top_k, renormalize=self.renormalize)
-        self.record(ids)
-        return self.experts(x, weights.to(x.dtype), ids)
+def olmoe_block(config: dict) -> SoftmaxTopKMoEBlock:
+    return SoftmaxTopKMoEBlock(
+        num_routed_experts(config),
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_experts_per_tok"],
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        logits_in_float32=True,  # the reference's softmax is float32 whatever the model dtype
+    )
 
 
 class OlmoeForCausalLM(DecoderLM):
@@ -83,7 +73,7 @@ class OlmoeForCausalLM(DecoderLM):
                     norm_eps=eps,
                     clip=None if clip is None else float(clip),
                 ),
-                OlmoeMoeBlock(config),
+                olmoe_block(config),
             )
             for _ in range(config["num_hidden_layers"])
         )

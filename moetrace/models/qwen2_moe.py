@@ -16,15 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.moe import MoEExperts, softmax_topk
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
-from moetrace.models.base import MoEBlockBase
 from moetrace.models.common import (
     DecoderLM,
     DenseMLP,
     FusedQKVAttention,
     PreNormDecoderLayer,
+    SoftmaxTopKMoEBlock,
     head_dim_of,
     map_dense,
     map_experts,
@@ -55,23 +54,24 @@ def qwen2_moe_sliding_windows(config: dict) -> list[int | None]:
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
-class Qwen2MoeBlock(MoEBlockBase):
+class Qwen2MoeBlock(SoftmaxTopKMoEBlock):
+    """The softmax top-k block plus a shared expert behind a sigmoid gate."""
+
     def __init__(self, config: dict) -> None:
-        super().__init__()
         hidden = config["hidden_size"]
-        self.top_k = config["num_experts_per_tok"]
-        self.renormalize = bool(config.get("norm_topk_prob", False))
-        num_experts = num_routed_experts(config)
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden))
-        self.experts = MoEExperts(num_experts, hidden, config["moe_intermediate_size"])
+        super().__init__(
+            num_routed_experts(config),
+            hidden,
+            config["moe_intermediate_size"],
+            config["num_experts_per_tok"],
+            renormalize=bool(config.get("norm_topk_prob", False)),
+            logits_in_float32=True,  # the reference's softmax is always float32
+        )
         self.shared_expert = DenseMLP(hidden, config["shared_expert_intermediate_size"])
         self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate).float()  # the reference's softmax is always float32
-        weights, ids = softmax_topk(logits, self.top_k, renormalize=self.renormalize)
-        self.record(ids)
-        routed = self.experts(x, weights.to(x.dtype), ids)
+        routed = super().forward(x)
         shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return routed + shared
 

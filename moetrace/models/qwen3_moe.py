@@ -7,19 +7,16 @@ no routing rows.  Attention has per-head RMSNorm on q and k.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moetrace.layers.moe import MoEExperts, softmax_topk
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
-from moetrace.models.base import MoEBlockBase
 from moetrace.models.common import (
     DecoderLM,
     DenseMLP,
     FusedQKVAttention,
     PreNormDecoderLayer,
+    SoftmaxTopKMoEBlock,
     head_dim_of,
     map_dense,
     map_experts,
@@ -41,22 +38,15 @@ def qwen3_moe_layer_indices(config: dict) -> list[int]:
     ]
 
 
-class Qwen3MoeBlock(MoEBlockBase):
-    def __init__(self, config: dict) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.top_k = config["num_experts_per_tok"]
-        self.renormalize = bool(config.get("norm_topk_prob", False))
-        self.gate = nn.Parameter(torch.empty(num_routed_experts(config), hidden))
-        self.experts = MoEExperts(
-            num_routed_experts(config), hidden, config["moe_intermediate_size"]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate)
-        weights, ids = softmax_topk(logits, self.top_k, renormalize=self.renormalize)
-        self.record(ids)
-        return self.experts(x, weights.to(x.dtype), ids)
+def qwen3_moe_block(config: dict) -> SoftmaxTopKMoEBlock:
+    return SoftmaxTopKMoEBlock(
+        num_routed_experts(config),
+        config["hidden_size"],
+        config["moe_intermediate_size"],
+        config["num_experts_per_tok"],
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        logits_in_float32=False,  # the reference's softmax keeps float64 logits
+    )
 
 
 class Qwen3MoeForCausalLM(DecoderLM):
@@ -87,7 +77,7 @@ class Qwen3MoeForCausalLM(DecoderLM):
                     norm_eps=eps,
                     window=window,
                 ),
-                Qwen3MoeBlock(config)
+                qwen3_moe_block(config)
                 if i in moe
                 else DenseMLP(hidden, config["intermediate_size"]),
             )
@@ -98,7 +88,7 @@ class Qwen3MoeForCausalLM(DecoderLM):
     def _map_layer(self, wm: WeightMap, i: int, layer: nn.Module, src: str, dst: str) -> None:
         map_fused_attention(wm, layer.self_attn, f"{src}self_attn.", f"{dst}self_attn.")
         map_norms(wm, layer, src, dst)
-        if isinstance(layer.mlp, Qwen3MoeBlock):
+        if isinstance(layer.mlp, SoftmaxTopKMoEBlock):
             wm.direct(f"{src}mlp.gate.weight", f"{dst}mlp.gate")
             map_experts(wm, layer.mlp.experts, f"{src}mlp.experts.", f"{dst}mlp.experts.")
         else:
