@@ -31,15 +31,6 @@ SHAPES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny CPU ops on a shared 2-core machine: thread hand-offs cost 100x the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_routing_and_greedy_tokens_match_transformers(tmp_path, name):
     assert_shape_parity("gpt_oss", tmp_path, name, SHAPES[name])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hf_reference import make_tiny_checkpoint
 from parity import assert_parity, assert_shape_parity, prompts
 
@@ -13,15 +12,6 @@ SHAPES = {
     "top3-of-16": dict(num_local_experts=16, num_experts_per_tok=3, logits_scaling=0.5),
     "tied-biased": dict(tie_word_embeddings=True, attention_bias=True, num_hidden_layers=2),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny CPU ops on a shared 2-core machine: thread hand-offs cost 100x the work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

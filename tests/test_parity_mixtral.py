@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hf_reference import make_tiny_checkpoint, reference_routing
 from parity import assert_parity, assert_shape_parity, prompts, record_dummy_trace
 
@@ -16,15 +15,6 @@ SHAPES = {
     # Shorter than the long prompt, a step and two blocks: the window edge moves inside steps.
     "sliding-window-5": dict(sliding_window=5),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: extra threads only spin on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

@@ -28,15 +28,6 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: extra threads only spin on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_routing_and_greedy_tokens_match_transformers(tmp_path, name):
     assert_shape_parity("qwen2_moe", tmp_path, name, SHAPES[name])
