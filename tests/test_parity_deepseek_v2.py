@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import make_tiny_checkpoint
-from parity import assert_parity, assert_shape_parity, record, record_dummy_trace
+from parity import (
+    assert_mla_cuda_records_what_the_cpu_records,
+    assert_parity,
+    assert_shape_parity,
+    record_dummy_trace,
+)
 from parity import prompts as parity_prompts
 
 from moetrace.config import EngineConfig
@@ -147,29 +152,6 @@ def test_absorbed_decode_equals_expanded_attention(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_records_what_the_cpu_records(tmp_path):
-    """float32 on CUDA: MLA's expanded prefill and absorbed decode, no decode graphs.
-
-    Rows computed from identical tokens must match the CPU's, up to the rare
-    near-tie a different rounding flips.  (The fused-MoE kernel serves 16-bit
-    weights only: the bf16 teacher-forced test runs it.)
-    """
+    """MLA in float32 on CUDA; the 16-bit fused-MoE kernel is the teacher-forced test's job."""
     ckpt = make_tiny_checkpoint("deepseek_v2", tmp_path / "m", seed=4, **SHAPES["group-limited"])
-    engine = dict(max_num_batched_tokens=8, max_num_seqs=3)
-    cpu = record(ckpt, prompts(4), 5, **engine)["done"]
-    cuda = torch.device("cuda")
-    model = load_model(str(ckpt), device=cuda, dtype="float32").model
-    eng = LLMEngine(model, EngineConfig(num_kv_blocks=128, block_size=4, **engine), cuda)
-    assert eng.runner.graphs is None  # MLA's plain path cannot run inside a graph
-    for i, (rid, ids) in enumerate(prompts(4).items()):
-        eng.add_request(rid, ids, SamplingParams(max_tokens=5, ignore_eos=True), index=i)
-    equal = []
-    for done in eng.run():
-        expected = cpu[done.request_id]
-        same = 0
-        for a, b in zip(done.output_token_ids, expected.output_token_ids, strict=True):
-            if a != b:
-                break
-            same += 1
-        n = min(len(done.prompt_token_ids) + same, len(done.routed_experts))
-        equal += (done.routed_experts[:n] == expected.routed_experts[:n]).all(axis=(1, 2)).tolist()
-    assert np.mean(equal) > 0.95
+    assert_mla_cuda_records_what_the_cpu_records(ckpt, prompts(4), torch.device("cuda"))
