@@ -38,13 +38,7 @@ def record_crc(records, crc: int = 0) -> int:
     language can recompute it.
     """
     for rec in records:
-        fields = []
-        for value in rec:
-            if isinstance(value, bytes):
-                value = value.decode()
-            elif isinstance(value, np.generic):
-                value = value.item()
-            fields.append(value)
+        fields = [plain_value(value) for value in rec]
         line = json.dumps(fields, separators=(",", ":"), ensure_ascii=False) + "\n"
         crc = zlib.crc32(line.encode(), crc)
     return crc
@@ -75,12 +69,13 @@ FIXED_ATTRS = (
 
 def metadata_crc(attrs) -> int:
     """CRC-32 of the fixed root attributes as a compact JSON list of [name, value] pairs."""
-    pairs = [[name, _plain(attrs.get(name))] for name in FIXED_ATTRS]
+    pairs = [[name, plain_value(attrs.get(name))] for name in FIXED_ATTRS]
     text = json.dumps(pairs, separators=(",", ":"), ensure_ascii=False)
     return zlib.crc32(text.encode())
 
 
-def _plain(value):
+def plain_value(value):
+    """An HDF5 attribute or table field as plain Python: text, list or scalar."""
     if isinstance(value, bytes):
         return value.decode()
     if isinstance(value, np.ndarray):

@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 
 from moetrace.errors import MoetraceError
-from moetrace.trace.integrity import expected_num_rows, request_checksum
+from moetrace.trace.integrity import expected_num_rows, plain_value, request_checksum
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
 from moetrace.trace.writer import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
 
@@ -56,16 +56,6 @@ class TraceRequest:
         return int(self.routed_experts.shape[0])
 
 
-def _decode(value):
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
 class Trace:
     """A trace file opened read-only; use as a context manager or call ``close()``."""
 
@@ -88,7 +78,7 @@ class Trace:
 
     def _load(self) -> None:
         f = self._file
-        fmt = _decode(f.attrs.get("format"))
+        fmt = plain_value(f.attrs.get("format"))
         if fmt != FORMAT_NAME:
             raise MoetraceError(f"not a moetrace trace (format attribute {fmt!r}): {self.path}")
         version = int(f.attrs.get("format_version", 0))
@@ -97,7 +87,7 @@ class Trace:
                 f"trace format version {version} is newer than this moetrace reads "
                 f"({FORMAT_VERSION}); upgrade moetrace: {self.path}"
             )
-        self.metadata: dict = {k: _decode(v) for k, v in f.attrs.items()}
+        self.metadata: dict = {k: plain_value(v) for k, v in f.attrs.items()}
         self.metadata["engine_settings"] = json.loads(self.metadata.get("engine_settings") or "{}")
         missing = [name for name in (ROUTED_EXPERTS, TOKEN_IDS, REQUESTS) if name not in f]
         if missing:
