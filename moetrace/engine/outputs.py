@@ -9,8 +9,28 @@ import numpy as np
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+class RequestLengths:
+    """Lengths read off a request's arrays, for the engine's and the reader's request types."""
+
+    prompt_token_ids: np.ndarray
+    output_token_ids: np.ndarray
+    routed_experts: np.ndarray
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_token_ids.shape[0])
+
+    @property
+    def output_len(self) -> int:
+        return int(self.output_token_ids.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.routed_experts.shape[0])
+
+
 @dataclass
-class FinishedRequest:
+class FinishedRequest(RequestLengths):
     """One ended request: its tokens and one routing row per token run through the model.
 
     ``routed_experts`` has shape ``(num_rows, num_moe_layers, top_k)`` in the
@@ -29,15 +49,3 @@ class FinishedRequest:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)
-
-    @property
-    def prompt_len(self) -> int:
-        return int(self.prompt_token_ids.shape[0])
-
-    @property
-    def output_len(self) -> int:
-        return int(self.output_token_ids.shape[0])
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.routed_experts.shape[0])

@@ -16,6 +16,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from moetrace.engine.outputs import RequestLengths
 from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import expected_num_rows, plain_value, request_checksum
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
@@ -26,7 +27,7 @@ ITER_TOKENS = 1 << 22  # token ids read at once (16 MiB)
 
 
 @dataclass
-class TraceRequest:
+class TraceRequest(RequestLengths):
     """One request as stored: its tokens and one routing row per token run through the model."""
 
     id: str
@@ -42,18 +43,6 @@ class TraceRequest:
     token_start: int
     checksum: int
     extra: dict = field(default_factory=dict)
-
-    @property
-    def prompt_len(self) -> int:
-        return int(self.prompt_token_ids.shape[0])
-
-    @property
-    def output_len(self) -> int:
-        return int(self.output_token_ids.shape[0])
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.routed_experts.shape[0])
 
 
 class Trace:
