@@ -44,6 +44,18 @@ def token_prompts(count: int, seed: int = 0, max_len: int = 20) -> list[dict]:
     return lines
 
 
+def reference_run(
+    directory: Path, count: int, *, seed: int, max_tokens: int, max_len: int = 20
+) -> tuple[Path, Path, Path]:
+    """(tiny checkpoint, prompt file, uninterrupted reference trace) for a test module."""
+    model = tiny_checkpoint(directory / "tiny")
+    prompts = write_jsonl(directory / "p.jsonl", token_prompts(count, seed=seed, max_len=max_len))
+    reference = directory / "reference.h5"
+    code, _, err = run_cli(*record_args(model, prompts, reference, "--max-tokens", str(max_tokens)))
+    assert code == 0, err
+    return model, prompts, reference
+
+
 def record_args(model: Path, prompts: Path | str, out: Path, *extra: str) -> list[str]:
     return ["record", str(model), str(prompts), "-o", str(out), "-q", "--load-format", "dummy"] + [
         *extra

@@ -22,10 +22,8 @@ from reliability_helpers import (
     ENV,
     assert_same_requests,
     record_args,
+    reference_run,
     run_cli,
-    tiny_checkpoint,
-    token_prompts,
-    write_jsonl,
 )
 
 from moetrace.trace.diskspace import DEFAULT_RESERVE_BYTES, RESERVE_ENV
@@ -37,13 +35,7 @@ ROOM = 150_000  # bytes the recording may use: a few dozen requests of the tiny 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("diskfull")
-    model = tiny_checkpoint(tmp / "tiny")
-    prompts = write_jsonl(tmp / "p.jsonl", token_prompts(N, seed=2, max_len=30))
-    reference = tmp / "reference.h5"
-    code, _, err = run_cli(*record_args(model, prompts, reference, "--max-tokens", "8"))
-    assert code == 0, err
-    return model, prompts, reference
+    return reference_run(tmp_path_factory.mktemp("diskfull"), N, seed=2, max_tokens=8, max_len=30)
 
 
 SmallDisk = tuple[Path, Callable[[], None] | None, str]

@@ -21,6 +21,7 @@ from reliability_helpers import (
     assert_one_line_error,
     assert_same_requests,
     record_args,
+    reference_run,
     run_cli,
     tiny_checkpoint,
     token_prompts,
@@ -41,13 +42,7 @@ N = 24
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A tiny checkpoint, its prompts and one uninterrupted reference trace."""
-    tmp = tmp_path_factory.mktemp("resume")
-    model = tiny_checkpoint(tmp / "tiny")
-    prompts = write_jsonl(tmp / "p.jsonl", token_prompts(N, seed=5))
-    reference = tmp / "reference.h5"
-    code, _, err = run_cli(*record_args(model, prompts, reference, "--max-tokens", "6"))
-    assert code == 0, err
-    return model, prompts, reference
+    return reference_run(tmp_path_factory.mktemp("resume"), N, seed=5, max_tokens=6)
 
 
 class StopAfter(GracefulStop):

@@ -22,10 +22,8 @@ from reliability_helpers import (
     assert_same_requests,
     popen,
     record_args,
+    reference_run,
     run_cli,
-    tiny_checkpoint,
-    token_prompts,
-    write_jsonl,
 )
 
 from moetrace.signals import GracefulStop, Interrupted
@@ -37,13 +35,7 @@ SLOW = ("--max-num-seqs", "1", "--flush-every", "4", "--flush-interval", "0.2")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("signals")
-    model = tiny_checkpoint(tmp / "tiny")
-    prompts = write_jsonl(tmp / "p.jsonl", token_prompts(N, seed=1, max_len=12))
-    reference = tmp / "reference.h5"
-    code, _, err = run_cli(*record_args(model, prompts, reference, "--max-tokens", "4"))
-    assert code == 0, err
-    return model, prompts, reference
+    return reference_run(tmp_path_factory.mktemp("signals"), N, seed=1, max_tokens=4, max_len=12)
 
 
 def flushed(path: Path) -> int:
