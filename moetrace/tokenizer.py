@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -36,20 +36,6 @@ class ChatTemplateError(ModelError):
     def __init__(self, problem: str) -> None:
         self.problem = problem
         super().__init__(f"chat template rejected the messages: {problem}")
-
-
-class TextTokenizer(Protocol):
-    """What the engine needs from any tokenizer."""
-
-    @property
-    def path(self) -> str | None: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def eos_token_ids(self) -> list[int]: ...
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
-    def apply_chat_template(self, messages: list[dict], **variables: Any) -> list[int]: ...
 
 
 # --- chat templates ---------------------------------------------------------------

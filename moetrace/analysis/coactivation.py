@@ -77,11 +77,6 @@ class CoActivation:
                 codes = (s[:, i] * e + s[:, j]).ravel()
                 self.pairs[layer] += np.bincount(codes, minlength=e * e)
 
-    def matrix(self, layer: int) -> np.ndarray:
-        """Symmetric (E, E) co-activation counts of one layer (diagonal: repeated ids, normally 0)."""
-        m = self.pairs[layer].reshape(self.num_experts, self.num_experts)
-        return m + m.T - np.diag(np.diag(m))
-
     def result(self, layers: list[int], top: int = 10, by: str = "count") -> list[dict]:
         out = []
         for i, layer in enumerate(layers):

@@ -20,10 +20,6 @@ class TokenText:
         self.source = source
         self.text = lru_cache(maxsize=65536)(self._text)
 
-    @property
-    def available(self) -> bool:
-        return self._decode is not None
-
     def _text(self, token_id: int) -> str | None:
         """The token's text with control characters escaped, or None without a tokenizer."""
         if self._decode is None or token_id < 0:

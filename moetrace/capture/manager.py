@@ -94,6 +94,3 @@ class RoutedExpertsCache:
                 f"request {request.request_id!r}: {have} valid routing rows, expected {num_rows}"
             )
         return rows[:num_rows]
-
-    def discard(self, request: Request) -> None:
-        self._snapshots.pop(request.request_id, None)

@@ -165,11 +165,6 @@ class ParallelState:
     def size(self) -> int:
         return self.layout.size
 
-    @property
-    def is_driver(self) -> bool:
-        """Rank 0 schedules, samples and writes; the others only run forwards."""
-        return self.layout.rank == 0
-
 
 _STATE: ParallelState | None = None
 

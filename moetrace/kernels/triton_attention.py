@@ -22,7 +22,6 @@ Sliding window convention (checked against transformers' ``masking_utils``:
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -568,8 +567,3 @@ def paged_attention(
     splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, meta.max_query_len, q.device)
     _launch_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, *cfg, splits)
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    """The usual ``1 / sqrt(head_dim)`` softmax scale."""
-    return 1.0 / math.sqrt(head_dim)
