@@ -78,12 +78,38 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params, index=i)
-    finished = list(engine.run())
+    finished = []
+    marks = [time.perf_counter()]
+    while engine.has_unfinished():
+        finished += engine.step()
+        marks.append(time.perf_counter())
     sync()
     elapsed = time.perf_counter() - start
     out_tokens = sum(f.output_len for f in finished)
     assert out_tokens == len(prompts) * output_len
-    return {"seconds": elapsed, "output_tokens": out_tokens, "tok_s": out_tokens / elapsed}
+    return {
+        "seconds": elapsed,
+        "output_tokens": out_tokens,
+        "tok_s": out_tokens / elapsed,
+        **phases(np.diff(marks), len(prompts) * len(prompts[0]), engine.config),
+    }
+
+
+def phases(step_s: np.ndarray, prompt_tokens: int, config: EngineConfig) -> dict:
+    """Where a run's wall time goes: the prefill steps, a decode step, the last step.
+
+    Each ``step()`` launches one step and completes the one before, so the
+    first ``prefills + 1`` calls cover the prefill, and the last call only
+    completes (it holds the finishing work of every request that ends there).
+    """
+    prefills = -(-prompt_tokens // config.max_num_batched_tokens) + 1
+    decode = step_s[prefills:-1]
+    return {
+        "prefill_phase_s": float(step_s[:prefills].sum()),
+        "decode_step_ms": float(np.median(decode) * 1e3) if decode.size else float("nan"),
+        "decode_phase_s": float(decode.sum()),
+        "last_step_ms": float(step_s[-1] * 1e3),
+    }
 
 
 def decode_step_profile(engine: LLMEngine, model, batch: int) -> dict:
@@ -145,16 +171,36 @@ def bench_moetrace(name: str, config: dict, prompts, args, results: dict) -> Non
     for mode, engine in engines.items():
         warm_s[mode] = run_batch(engine, prompts, args.warmup_tokens)["seconds"]
     runs: dict[str, list[float]] = {"capture": [], "no-capture": []}
+    breakdowns: dict[str, list[dict]] = {"capture": [], "no-capture": []}
     for repeat in range(args.repeats):
         order = list(engines.items())
         for mode, engine in order if repeat % 2 == 0 else order[::-1]:  # neither always first
-            runs[mode].append(run_batch(engine, prompts, args.output_len)["tok_s"])
-            print(f"[{name}] moetrace {mode}: {runs[mode][-1]:,.0f} tok/s", flush=True)
-    results["moetrace"] = {m: {"runs": r, "median": statistics.median(r)} for m, r in runs.items()}
+            run = run_batch(engine, prompts, args.output_len)
+            runs[mode].append(run["tok_s"])
+            breakdowns[mode].append({k: v for k, v in run.items() if k != "tok_s"})
+            print(
+                f"[{name}] moetrace {mode}: {run['tok_s']:,.0f} tok/s (prefill "
+                f"{run['prefill_phase_s']:.3f} s, decode {run['decode_phase_s']:.3f} s at "
+                f"{run['decode_step_ms']:.2f} ms/step, last step {run['last_step_ms']:.1f} ms)",
+                flush=True,
+            )
+    results["moetrace"] = {
+        m: {"runs": r, "median": statistics.median(r), "breakdown": breakdowns[m]}
+        for m, r in runs.items()
+    }
     results["engine_setup_s"] = setup_s
     results["warmup_s"] = warm_s
     batch = min(args.max_num_seqs, len(prompts))
     results["decode_profile"] = decode_step_profile(engines["capture"], model, batch)
+    # The same graph replay without capture: the device-side cost of capture, alone.
+    results["decode_profile_no_capture"] = decode_step_profile(engines["no-capture"], model, batch)
+    on, off = results["decode_profile"], results["decode_profile_no_capture"]
+    if on and off:
+        print(
+            f"[{name}] decode graph replay at B={batch}: capture {on['step_ms']:.3f} ms, "
+            f"no capture {off['step_ms']:.3f} ms",
+            flush=True,
+        )
     del engines, model, loaded
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
