@@ -9,18 +9,11 @@ Needs CUDA, or ``TRITON_INTERPRET=1`` on the CPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_helpers import DEVICE, INTERPRET, KERNEL_TEST_MARKS
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)"),
-]
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+pytestmark = KERNEL_TEST_MARKS
 HALF = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 
 

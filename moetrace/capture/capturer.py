@@ -2,6 +2,13 @@
 
 The buffer never moves, and each layer writes ``buffer[:n, layer]`` in place,
 so a captured CUDA graph replays the writes.  Nothing here touches the host.
+
+The buffer holds the trace's own id dtype where it can (uint8 up to 256
+experts), so the copy to the host moves a quarter of the bytes and the host
+stores rows without converting them.  Where the fused-MoE kernel serves a
+layer, that kernel writes the ids itself (``in_kernel``): the ids it reads to
+group tokens by expert go to ``destination()`` in the same launch, instead of
+one extra copy kernel per layer per step.
 """
 
 from __future__ import annotations
@@ -11,12 +18,24 @@ import torch
 from moetrace.capture.types import RoutedExpertsTensors
 
 
+def capture_dtype(num_experts: int) -> torch.dtype:
+    """uint8 when every id fits, else int32 (torch's uint16 lacks the ops a copy needs)."""
+    return torch.uint8 if num_experts <= 256 else torch.int32
+
+
 class RoutingCapturer:
+    in_kernel = False  # set by the model runner when the fused-MoE kernels may write
+
     def __init__(
-        self, max_num_tokens: int, num_moe_layers: int, top_k: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        num_moe_layers: int,
+        top_k: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.int32,
     ) -> None:
         self.buffer = torch.zeros(
-            (max_num_tokens, num_moe_layers, top_k), dtype=torch.int32, device=device
+            (max_num_tokens, num_moe_layers, top_k), dtype=dtype, device=device
         )
 
     @property
@@ -26,6 +45,10 @@ class RoutingCapturer:
     def record(self, moe_layer: int, topk_ids: torch.Tensor) -> None:
         """Store one layer's selection for the step's tokens (rows in token order)."""
         self.buffer[: topk_ids.shape[0], moe_layer].copy_(topk_ids)
+
+    def destination(self, moe_layer: int, num_tokens: int) -> torch.Tensor:
+        """Where a kernel writes one layer's ``[num_tokens, top_k]`` ids."""
+        return self.buffer[:num_tokens, moe_layer]
 
     def tensors(self, num_tokens: int) -> RoutedExpertsTensors:
         return RoutedExpertsTensors(self.buffer[:num_tokens], num_tokens)

@@ -30,9 +30,11 @@ class RoutingTransfer:
         device: torch.device,
         *,
         ring_size: int = 2,
+        dtype: torch.dtype = torch.int32,
     ) -> None:
         self.device = device
         self._shape = (max_num_tokens, num_moe_layers, top_k)
+        self._dtype = dtype
         self._next = 0
         self._cuda = device.type == "cuda"
         self._ring: list[torch.Tensor] = []
@@ -45,7 +47,7 @@ class RoutingTransfer:
             self._last_copy: torch.cuda.Event | None = None
 
     def _add_slot(self) -> int:
-        self._ring.append(torch.empty(self._shape, dtype=torch.int32, pin_memory=True))
+        self._ring.append(torch.empty(self._shape, dtype=self._dtype, pin_memory=True))
         self._done.append(torch.cuda.Event())
         self._held.append(False)
         return len(self._ring) - 1

@@ -15,7 +15,7 @@ import torch
 
 
 class RoutedExpertsTensors(NamedTuple):
-    routing: torch.Tensor  # int32 [num_tokens, num_moe_layers, top_k], router order
+    routing: torch.Tensor  # [num_tokens, num_moe_layers, top_k] in the capture dtype, router order
     num_tokens: int
 
 

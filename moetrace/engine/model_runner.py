@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moetrace.capture.capturer import RoutingCapturer
+from moetrace.capture.capturer import RoutingCapturer, capture_dtype
 from moetrace.capture.transfer import RoutingTransfer
 from moetrace.capture.types import RoutedExpertsLists
 from moetrace.config import EngineConfig
@@ -82,15 +82,19 @@ class ModelRunner:
         self.capturer: RoutingCapturer | None = None
         self.transfer: RoutingTransfer | None = None
         if config.capture_routing:
+            dtype = capture_dtype(model.num_experts)
             self.capturer = RoutingCapturer(
-                config.max_num_batched_tokens, num_moe, model.top_k, device
+                config.max_num_batched_tokens, num_moe, model.top_k, device, dtype
             )
+            # Tensor parallel experts may see other ids than the router's: copy those.
+            self.capturer.in_kernel = self.use_kernels and self.parallel is None
             self.transfer = RoutingTransfer(
                 config.max_num_batched_tokens,
                 num_moe,
                 model.top_k,
                 device,
                 ring_size=config.capture_ring_size,
+                dtype=dtype,
             )
         if self.parallel is not None:
             self.capturer = wrap_capturer(self.capturer, self.parallel)

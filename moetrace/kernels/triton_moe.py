@@ -105,21 +105,41 @@ def _align_plan_kernel(
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_pair_ids_ptr, num_pairs, CHUNK: tl.constexpr):
+def _align_scatter_kernel(
+    ids_ptr,
+    cursor_ptr,
+    sorted_pair_ids_ptr,
+    capture_ptr,
+    num_pairs,
+    stride_capture,
+    TOP_K: tl.constexpr,
+    CAPTURE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Each pair takes the next free row of its expert's group (atomic cursor).
 
     The order inside a group is therefore arbitrary, but the GEMMs compute each
     row independently and write it back by pair index, so results are
-    bit-identical whatever the order.
+    bit-identical whatever the order.  With ``CAPTURE`` the ids it reads anyway
+    also go to the routing capture buffer (``[T, k]`` rows ``stride_capture``
+    apart, in its dtype), which saves the capture a launch per MoE layer.
     """
     idx = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = idx < num_pairs
     e = tl.load(ids_ptr + idx, mask=ok, other=0)
     row = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=ok)
     tl.store(sorted_pair_ids_ptr + row, idx.to(tl.int32), mask=ok)
+    if CAPTURE:
+        dst = capture_ptr + (idx // TOP_K).to(tl.int64) * stride_capture + idx % TOP_K
+        tl.store(dst, e.to(capture_ptr.dtype.element_ty), mask=ok)
 
 
-def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
+def align_routing(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    capture: torch.Tensor | None = None,
+) -> AlignedRouting:
     """Group the (token, expert) pairs by expert into ``block_m``-padded groups.
 
     Two Triton launches and one allocation: the torch-op version
@@ -127,9 +147,12 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
     machine; this one 23 us eager / 14 us in a graph at T=256, and 89 us at
     T=8192 x top-8, where the single counting program dominates (the part to
     parallelise if prefill ever needs it).  Sizes depend on T, k, E and
-    block_m alone, so it is CUDA-graph safe.
+    block_m alone, so it is CUDA-graph safe.  ``capture``, a ``[T, k]`` view
+    with unit column stride, also receives the ids (see the scatter kernel).
     """
     ids = topk_ids.contiguous()
+    if capture is not None and (capture.shape != ids.shape or capture.stride(1) != 1):
+        raise ValueError(f"capture view {tuple(capture.shape)} does not fit ids {tuple(ids.shape)}")
     num_pairs = ids.numel()
     rows = padded_rows_bound(num_pairs, num_experts, block_m)
     num_blocks = rows // block_m
@@ -157,7 +180,16 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
     )
     chunk = 256
     _align_scatter_kernel[(triton.cdiv(num_pairs, chunk),)](
-        ids, cursor, sorted_pair_ids, num_pairs, CHUNK=chunk, num_warps=4
+        ids,
+        cursor,
+        sorted_pair_ids,
+        sorted_pair_ids if capture is None else capture,
+        num_pairs,
+        0 if capture is None else capture.stride(0),
+        TOP_K=ids.shape[-1] if ids.dim() == 2 else 1,
+        CAPTURE=capture is not None,
+        CHUNK=chunk,
+        num_warps=4,
     )
     return AlignedRouting(sorted_pair_ids, block_expert_ids, num_rows_padded, block_m)
 
@@ -366,11 +398,17 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     activation: str = "silu",
+    capture: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts' output ``[T, H]`` through two Triton grouped GEMMs (see module doc)."""
+    """Routed experts' output ``[T, H]`` through two Triton grouped GEMMs (see module doc).
+
+    ``capture``: a ``[T, k]`` view of the routing capture buffer the ids are also written to.
+    """
     num_tokens, top_k = topk_ids.shape
     cfg = moe_config(num_tokens, top_k, w13.shape[0])
-    return fused_moe_with_config(hidden, w13, w2, topk_weights, topk_ids, cfg, activation)
+    return fused_moe_with_config(
+        hidden, w13, w2, topk_weights, topk_ids, cfg, activation, capture=capture
+    )
 
 
 def fused_moe_with_config(
@@ -381,6 +419,8 @@ def fused_moe_with_config(
     topk_ids: torch.Tensor,
     cfg: MoEConfig,
     activation: str = "silu",
+    *,
+    capture: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with an explicit tile config (benchmarks sweep these)."""
     if activation not in ACTIVATIONS:
@@ -398,7 +438,7 @@ def fused_moe_with_config(
     w13 = w13.contiguous()
     w2 = w2.contiguous()
 
-    routing = align_routing(topk_ids, num_experts, cfg.block_m)
+    routing = align_routing(topk_ids, num_experts, cfg.block_m, capture)
     rows = routing.sorted_pair_ids.shape[0]
     num_m_blocks = rows // cfg.block_m
     h = hidden.new_empty((rows, inter))
@@ -530,8 +570,11 @@ def moe_forward(
     topk_ids: torch.Tensor,
     *,
     activation: str = "silu",
+    capture: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output with the faster measured implementation for this T.
+
+    ``capture`` (a ``[T, k]`` view of the routing capture buffer) receives the ids.
 
     benchmarks/kernels.py on one H200 (bf16, random top-8 routing), Triton vs
     ``grouped_mm``, median us; "graph" = CUDA-graph replay as in decode:
@@ -549,5 +592,9 @@ def moe_forward(
     num_tokens = hidden.shape[0]
     use_grouped = any(lo <= num_tokens < hi for lo, hi in _GROUPED_MM_TOKEN_RANGES)
     if use_grouped and hidden.dtype == torch.bfloat16 and grouped_mm_available():
+        if capture is not None:
+            capture.copy_(topk_ids)
         return moe_grouped_mm(hidden, w13, w2, topk_weights, topk_ids, activation=activation)
-    return fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=activation)
+    return fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, activation=activation, capture=capture
+    )

@@ -141,12 +141,34 @@ class MoEExperts(nn.Module):
             self.register_parameter("b2", None)
         self.kernel_capable = not bias and activation not in GATED_ACTIVATIONS
         self.use_triton = False
+        self._capture: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def capture_with(self, ids: torch.Tensor, destination: torch.Tensor) -> None:
+        """The block's router chose ``ids``: the next forward writes them to ``destination``."""
+        if self._capture is not None:
+            raise RuntimeError("routing capture: a layer's ids never reached its experts")
+        self._capture = (ids, destination)
+
+    def _take_capture(self, ids: torch.Tensor) -> torch.Tensor | None:
+        if self._capture is None:
+            return None
+        recorded, destination = self._capture
+        self._capture = None
+        # Only the very tensor the router recorded may be written in its place.
+        if recorded is not ids:
+            raise RuntimeError("routing capture: the experts got other ids than the router chose")
+        return destination
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        capture = self._take_capture(ids)
         if self.use_triton:
             from moetrace.kernels.triton_moe import moe_forward
 
-            return moe_forward(x, self.w13, self.w2, weights, ids, activation=self.activation)
+            return moe_forward(
+                x, self.w13, self.w2, weights, ids, activation=self.activation, capture=capture
+            )
+        if capture is not None:
+            capture.copy_(ids)
         return self.forward_torch(x, weights, ids)
 
     def forward_torch(

@@ -24,7 +24,13 @@ class MoEBlockBase(nn.Module):
     capturer: RoutingCapturer | None = None
 
     def record(self, ids: torch.Tensor) -> None:
-        if self.capturer is not None:
+        """Capture the ids; where the fused-MoE kernel will run on them, it writes them."""
+        if self.capturer is None:
+            return
+        experts = getattr(self, "experts", None)
+        if self.capturer.in_kernel and getattr(experts, "use_triton", False):
+            experts.capture_with(ids, self.capturer.destination(self.moe_index, ids.shape[0]))
+        else:
             self.capturer.record(self.moe_index, ids)
 
 
