@@ -79,6 +79,12 @@ def record_command(
     cpu_offload_gb: float = typer.Option(
         0.0, "--cpu-offload-gb", help="Only 0: routing capture does not support weight offload."
     ),
+    enforce_eager: bool = typer.Option(
+        False,
+        "--enforce-eager",
+        help="No CUDA graphs: every decode step runs eagerly (slower, same trace). "
+        "Tensor parallel runs eagerly already.",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     resume: bool = typer.Option(
         False,
@@ -163,7 +169,8 @@ def record_command(
         enable_prefix_caching=enable_prefix_caching,
         gpu_memory_utilization=gpu_memory_utilization,
         seed=seed,
-        enforce_eager=parallel.enabled,  # tensor parallel runs without decode graphs
+        # Graphs with collectives inside have not run on two GPUs yet (docs/distributed.md).
+        enforce_eager=enforce_eager or parallel.enabled,
     )
     sampling = SamplingDefaults(
         max_tokens=max_tokens,
