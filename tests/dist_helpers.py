@@ -217,3 +217,82 @@ def layer_agreement(a: Path, b: Path) -> np.ndarray:
     assert set(want) == set(got)
     same = np.concatenate([(want[k] == got[k]).all(axis=-1) for k in want])  # [rows, layers]
     return same.mean(axis=0)
+
+
+def _bf16_router_rank(
+    rank: int, world: int, rendezvous: str, model_dir: str, prompts, out: str, device_type: str
+) -> None:
+    """One process of a tensor-parallel group; rank 0 records with hooks on the MoE blocks."""
+    from moetrace.distributed.launch import WorkerSpec, init_group, leave_group, serve_worker
+    from moetrace.distributed.state import (
+        ParallelConfig,
+        ParallelState,
+        TensorParallelLayout,
+        set_parallel_state,
+    )
+    from moetrace.distributed.step_sync import end_steps
+
+    state = init_group(ParallelConfig(world), rank, rank, device_type, f"file://{rendezvous}")
+    results = {}
+    try:
+        for expert_parallel in (False, True):
+            config = ParallelConfig(world, expert_parallel)
+            state = ParallelState(
+                config, TensorParallelLayout.of(config, rank), state.comm, state.device
+            )
+            set_parallel_state(state)
+            if rank != 0:
+                serve_worker(state)
+                continue
+            engine = EngineConfig(num_kv_blocks=256, max_num_seqs=8)
+            spec = WorkerSpec(model_dir, device_type, "bfloat16", "dummy", 0, engine)
+            state.comm.broadcast_object(spec)
+            results[expert_parallel] = router_inputs_and_rows(
+                model_dir, state.device, engine, prompts
+            )
+            end_steps(state)
+    finally:
+        leave_group()
+    if rank == 0:
+        Path(out).write_bytes(pickle.dumps(results))
+
+
+def router_inputs_and_rows(model_dir: str, device, engine_config: EngineConfig, prompts) -> dict:
+    """Each prompt's recorded rows and every MoE block's input in its prefill, on the host.
+
+    One request at a time with ``max_tokens=1``: its single step is its prefill,
+    so each block sees exactly the prompt's tokens, in order.
+    """
+    loaded = load_model(model_dir, device=device, dtype="bfloat16", load_format="dummy")
+    model = loaded.model
+    engine = LLMEngine(model, engine_config, device)
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        block.register_forward_pre_hook(
+            lambda m, args, i=block.moe_index: inputs.__setitem__(i, args[0].detach().cpu())
+        )
+        for block in model.moe_blocks()
+    ]
+    requests = []
+    for index, ids in enumerate(prompts):
+        inputs.clear()
+        engine.add_request(f"r{index}", ids, SamplingParams(max_tokens=1), index=index)
+        (done,) = list(engine.run())
+        requests.append((done.routed_experts, dict(inputs)))
+    for hook in hooks:
+        hook.remove()
+    gates = {block.moe_index: block.gate.detach().cpu() for block in model.moe_blocks()}
+    return {"gates": gates, "requests": requests}
+
+
+def run_bf16_router_group(
+    model_dir: Path, prompts: list[list[int]], tmp: Path, device_type: str = "cuda"
+) -> dict:
+    """{expert_parallel: rank 0's rows and router inputs} from a 2-process group."""
+    out = tmp / "router.pkl"
+    mp.spawn(
+        _bf16_router_rank,
+        args=(2, str(tmp / "rendezvous-router"), str(model_dir), prompts, str(out), device_type),
+        nprocs=2,
+    )
+    return pickle.loads(out.read_bytes())

@@ -187,7 +187,7 @@ def test_record_command_spawns_its_workers(checkpoints, tp1_trace, tmp_path):
     assert proc.stdout == "" and proc.stderr.count("\n") == 1  # one summary line, from rank 0
     settings = _assert_same_traces(tp1, out)
     assert settings["tensor_parallel_size"] == 2 and settings["sequence_parallel_moe"]
-    assert settings["enforce_eager"] is True
+    assert settings["enforce_eager"] is True  # no decode graphs under tensor parallelism yet
 
 
 @pytest.mark.slow
@@ -392,56 +392,124 @@ def test_scenario_names_match():
 
 # ------------------------------------------------------------ CUDA (2+ GPUs)
 QWEN3_30B = Path(__file__).parent.parent / "benchmarks" / "configs" / "qwen3-30b-a3b.json"
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+def _qwen3_30b_shape(tmp_path: Path, layers: int = 4) -> Path:
+    """Qwen3-30B-A3B's config cut to its first ``layers`` layers (dummy weights)."""
+    config = {**json.loads(QWEN3_30B.read_text()), "num_hidden_layers": layers}
+    model = tmp_path / f"qwen3-30b-a3b-{layers}l"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def _cuda_record(model: Path, prompts: Path, out: Path, tp: int, *flags: str) -> Path:
+    args = [str(model), str(prompts), "-o", str(out), "--load-format", "dummy", "-q"]
+    args += ["--num-kv-blocks", "512", "--max-num-seqs", "16", "--ignore-eos", "--device", "cuda"]
+    args += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+    proc = _moetrace("record", *args, *flags, env={"NCCL_NVLS_ENABLE": "0"})
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _random_prompts(count: int, length: int = 48, seed: int = 0) -> dict[str, list[int]]:
+    rng = np.random.default_rng(seed)
+    return {f"r{i}": rng.integers(100, 150_000, length).tolist() for i in range(count)}
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@needs_two_gpus
 @pytest.mark.parametrize(
-    "dtype,flags,min_agreement",
-    [
-        ("float32", [], 0.999),
-        ("bfloat16", [], 0.95),
-        ("float32", ["--sequence-parallel-moe"], 0.999),
-        ("float32", ["--enable-expert-parallel"], 0.999),
-    ],
+    "flags", [[], ["--sequence-parallel-moe"], ["--enable-expert-parallel"]], ids=str
 )
-def test_tp2_on_cuda_routes_as_tp1(tmp_path, dtype, flags, min_agreement):
-    """Qwen3-30B-A3B's shape (4 of its 48 layers), dummy weights, NCCL: TP=2 against TP=1.
+def test_tp2_on_cuda_records_the_tp1_trace_in_float32(tmp_path, flags):
+    """NCCL, float32: TP=2 (plain, sequence-parallel MoE, expert parallel) against TP=1.
 
-    Equal traces pass at once.  Otherwise (split matmuls round differently,
-    which moves near-tied routing decisions, most of all in bf16) both runs
-    re-record TP=1's sequences teacher-forced and must agree on nearly every
-    row of every layer.  Thresholds are first guesses: not yet run on a
-    multi-GPU machine.
+    Split matmuls round differently, but in float32 far below the gaps
+    between routing scores: equal traces pass at once; otherwise both
+    re-record TP=1's sequences teacher-forced and may differ only in a
+    near-tie (>= 99.9% of rows equal in every layer).
     """
     from dist_helpers import layer_agreement, teacher_forced_prompts
 
-    config = {**json.loads(QWEN3_30B.read_text()), "num_hidden_layers": 4}
-    model = tmp_path / "qwen3-30b-a3b-4l"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(config))
-    rng = np.random.default_rng(0)
-    prompts = {f"r{i}": rng.integers(100, 150_000, 48).tolist() for i in range(16)}
-    prompts_file = write_prompts(tmp_path / "p.jsonl", prompts, max_tokens=16)
-    common = ["--load-format", "dummy", "--dtype", dtype, "--num-kv-blocks", "512", "-q"]
-    common += ["--ignore-eos", "--device", "cuda"]
-    env = {"NCCL_NVLS_ENABLE": "0"}
-
-    def record(prompt_file: Path, out: Path, tp: int) -> Path:
-        extra = ["--tensor-parallel-size", str(tp), *flags] if tp > 1 else []
-        proc = _moetrace(
-            "record", str(model), str(prompt_file), "-o", str(out), *common, *extra, env=env
-        )
-        assert proc.returncode == 0, proc.stderr
-        return out
-
-    tp1 = record(prompts_file, tmp_path / "tp1.h5", 1)
-    tp2 = record(prompts_file, tmp_path / "tp2.h5", 2)
+    model = _qwen3_30b_shape(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl", _random_prompts(8), max_tokens=16)
+    f32 = ("--dtype", "float32")
+    tp1 = _cuda_record(model, prompts, tmp_path / "tp1.h5", 1, *f32)
+    tp2 = _cuda_record(model, prompts, tmp_path / "tp2.h5", 2, *f32, *flags)
     if layer_agreement(tp1, tp2).min() == 1.0:
         return
     forced = teacher_forced_prompts(tp1, tmp_path / "forced.jsonl")
-    a = record(forced, tmp_path / "tp1-forced.h5", 1)
-    b = record(forced, tmp_path / "tp2-forced.h5", 2)
+    a = _cuda_record(model, forced, tmp_path / "tp1-forced.h5", 1, *f32)
+    b = _cuda_record(model, forced, tmp_path / "tp2-forced.h5", 2, *f32, *flags)
     agreement = layer_agreement(a, b)
-    print(f"{dtype} {flags}: per-layer agreement {np.round(agreement, 4).tolist()}")
-    assert agreement.min() >= min_agreement
+    print(f"float32 {flags}: per-layer agreement {np.round(agreement, 4).tolist()}")
+    assert agreement.min() >= 0.999
+
+
+def _assert_ids_are_the_transformers_routers(model: Path, results: dict, prompts, device):
+    """Each layer's recorded ids equal transformers' Qwen3-MoE router on that layer's inputs."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    config = json.loads((model / "config.json").read_text())
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    assert set(results) == {False, True}
+    for expert_parallel, result in results.items():
+        routers = {}
+        for moe_index, gate in result["gates"].items():
+            router = Qwen3MoeTopKRouter(hf_config).to(device, torch.bfloat16)
+            with torch.no_grad():
+                router.weight.copy_(gate)
+            routers[moe_index] = router
+        assert len(result["requests"]) == len(prompts)
+        for (rows, inputs), prompt in zip(result["requests"], prompts, strict=True):
+            assert rows.shape[0] == len(prompt) and sorted(inputs) == sorted(routers)
+            for moe_index, hidden in inputs.items():
+                with torch.inference_mode():
+                    _, _, ids = routers[moe_index](hidden.to(device))
+                np.testing.assert_array_equal(
+                    ids.cpu().numpy(),
+                    rows[:, moe_index],
+                    err_msg=f"expert_parallel={expert_parallel} layer {moe_index}",
+                )
+
+
+def test_tp2_bf16_routing_equals_transformers_router_on_cpu(tmp_path):
+    """gloo, bf16, plain TP and expert parallel: capture is exact where rounding is coarse.
+
+    The float64 scenarios above compare with TP=1; in bf16 split matmuls may
+    legitimately move near-tied scores, so the recorded ids are checked
+    against an independent router fed the hidden states each layer saw.
+    """
+    from dist_helpers import run_bf16_router_group
+    from engine_helpers import tiny_qwen3_config
+
+    model = tmp_path / "tiny-qwen3"
+    model.mkdir()
+    config = {**tiny_qwen3_config(), "model_type": "qwen3_moe"}
+    (model / "config.json").write_text(json.dumps(config))
+    prompts = [list(range(5, 30)), list(range(40, 52))]
+    results = run_bf16_router_group(model, prompts, tmp_path, "cpu")
+    _assert_ids_are_the_transformers_routers(model, results, prompts, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_tp2_bf16_routing_equals_transformers_router_teacher_forced(tmp_path):
+    """bf16 TP=2 over NCCL (plain and expert parallel) at Qwen3-30B-A3B's shape: each
+    layer's recorded ids equal what transformers' own Qwen3-MoE router picks from
+    the hidden states that layer saw.
+
+    In bf16 TP=2 and TP=1 legitimately part on near-tied routing scores
+    (split matmuls round differently; docs/benchmarks.md measures how often),
+    so the check that capture is exact under TP is against an independent
+    router on the same inputs, as the single-GPU bf16 test does.
+    """
+    from dist_helpers import run_bf16_router_group
+
+    model = _qwen3_30b_shape(tmp_path)
+    prompts = list(_random_prompts(4, length=40, seed=2).values())
+    results = run_bf16_router_group(model, prompts, tmp_path)
+    _assert_ids_are_the_transformers_routers(model, results, prompts, torch.device("cuda", 0))
