@@ -31,18 +31,23 @@ CONFIGS = Path(__file__).parent / "configs"
 SUMMARY = re.compile(r"in ([\d.]+) s \(([\d,]+) output tok/s\)")
 
 
-def record(model: Path, prompts: Path, out: Path, tp: int, args: argparse.Namespace) -> dict:
+def record(
+    model: Path, prompts: Path, out: Path, tp: int, args: argparse.Namespace, eager: bool = False
+) -> dict:
     cmd = [sys.executable, "-m", "moetrace", "record", str(model), str(prompts), "-o", str(out)]
     cmd += ["--load-format", "dummy", "--dtype", args.dtype, "--ignore-eos", "-q", "--overwrite"]
     cmd += ["--max-tokens", str(args.output_len), "--max-num-seqs", str(args.max_num_seqs)]
     if tp > 1:
         cmd += ["--tensor-parallel-size", str(tp), *args.flags]
+    if eager:
+        cmd += ["--enforce-eager"]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"TP={tp} failed:\n{proc.stderr}")
     seconds, rate = SUMMARY.search(proc.stderr).groups()
-    return {"tp": tp, "seconds": float(seconds), "tok_s": float(rate.replace(",", ""))}
+    rate = float(rate.replace(",", ""))
+    return {"tp": tp, "eager": eager, "seconds": float(seconds), "tok_s": rate}
 
 
 def compare(reference: Path, other: Path) -> dict:
@@ -78,6 +83,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--flags", nargs="*", default=[], help="e.g. --enable-expert-parallel")
+    parser.add_argument(
+        "--eager-too", action="store_true", help="Also run each size with --enforce-eager."
+    )
     parser.add_argument("--out", type=Path, default=Path("tensor_parallel.json"))
     args = parser.parse_args()
 
@@ -101,19 +109,22 @@ def main() -> None:
             )
         )
         rows = []
+        reference = Path(tmp) / f"tp{args.tp[0]}.h5"
         for tp in args.tp:
-            out = Path(tmp) / f"tp{tp}.h5"
-            row = record(model, prompts, out, tp, args)
-            if tp != args.tp[0]:
-                row |= compare(Path(tmp) / f"tp{args.tp[0]}.h5", out)
-            rows.append(row)
+            for eager in (False, True) if args.eager_too else (False,):
+                out = Path(tmp) / f"tp{tp}{'-eager' if eager else ''}.h5"
+                row = record(model, prompts, out, tp, args, eager)
+                if out != reference:
+                    row |= compare(reference, out)
+                rows.append(row)
     base = rows[0]["tok_s"]
-    print("| TP | output tok/s | speed-up | same tokens | min layer row agreement |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| TP | decode | output tok/s | speed-up | same tokens | min layer row agreement |")
+    print("|---:|---|---:|---:|---:|---:|")
     for r in rows:
         agree = r.get("min_layer_row_agreement")
         print(
-            f"| {r['tp']} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f}x | "
+            f"| {r['tp']} | {'eager' if r['eager'] else 'graphs'} | {r['tok_s']:,.0f} | "
+            f"{r['tok_s'] / base:.2f}x | "
             f"{r.get('requests_same_tokens', '-')} | {'-' if agree is None else f'{agree:.4f}'} |"
         )
     args.out.write_text(
