@@ -169,8 +169,6 @@ class ModelRunner:
         if self.parallel is not None:  # the workers start the same step from its host inputs
             publish_step(self.parallel, plan, fill_index)
         fill = self._stage_fill(fill_index, previous)
-        if self.transfer is not None:
-            self.transfer.fence_before_forward()
         if self.graphs is not None and self.graphs.fits(plan):
             logits = self.graphs.run(plan, fill)
         else:
