@@ -9,6 +9,7 @@ capturer's buffer is static too, so capture runs inside the graph unchanged.
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,7 +89,20 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first so smaller ones share its memory pool."""
+        """Capture every batch size, largest first so smaller ones share its memory pool.
+
+        No garbage collection while capturing: an earlier engine's runner
+        (a reference cycle) freed mid-capture releases CUDA resources, which a
+        capture in progress does not allow.
+        """
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            gc.enable()
+
+    def _capture_all(self) -> None:
         for batch in reversed(self.sizes):
             self._forward(batch)  # warm up: kernels compiled and autotuned outside the graph
             torch.cuda.synchronize()
