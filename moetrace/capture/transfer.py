@@ -12,8 +12,9 @@ flight, and a ring of one slot grows to two rather than overwrite rows
 nobody has read.  On the CPU it is a plain copy.
 
 (The first version had the copy stream read the capture buffer itself and
-made each forward wait for the previous step's copy: on the H200 that fence
-cost the OLMoE-1B-7B shape about 1% of its throughput.)
+made each forward wait for the previous step's copy; on the H200, side by
+side, dropping that wait moved OLMoE-1B-7B's capture on/off ratio from
+0.991 to 0.997.)
 """
 
 from __future__ import annotations
