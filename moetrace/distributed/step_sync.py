@@ -12,7 +12,7 @@ message ends the workers' loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,50 +32,18 @@ FillIndex = tuple[np.ndarray, np.ndarray]  # (token positions in the step, rows 
 
 @dataclass
 class StepMessage:
-    """One step's host inputs: everything a worker needs to run rank 0's forward."""
+    """One step's host inputs: rank 0's plan without its requests (workers hold none)."""
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slots: np.ndarray
-    query_start: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
-    logits_rows: np.ndarray
-    max_query_len: int
+    plan: StepPlan
     fill: FillIndex | None
 
     @classmethod
     def of(cls, plan: StepPlan, fill: FillIndex | None) -> StepMessage:
-        return cls(
-            plan.input_ids,
-            plan.positions,
-            plan.slots,
-            plan.query_start,
-            plan.seq_lens,
-            plan.block_tables,
-            plan.logits_rows,
-            plan.max_query_len,
-            fill,
-        )
+        return cls(replace(plan, sampling_requests=[], requests=[]), fill)
 
     @property
     def num_sampled(self) -> int:
-        return int(self.logits_rows.shape[0])
-
-    def plan(self) -> StepPlan:
-        """The step as the runner's input staging reads it (workers hold no requests)."""
-        return StepPlan(
-            input_ids=self.input_ids,
-            positions=self.positions,
-            slots=self.slots,
-            query_start=self.query_start,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
-            logits_rows=self.logits_rows,
-            sampling_requests=[],
-            requests=[],
-            max_query_len=self.max_query_len,
-        )
+        return int(self.plan.logits_rows.shape[0])
 
 
 def publish_step(state: ParallelState, plan: StepPlan, fill: FillIndex | None) -> None:
@@ -111,7 +79,7 @@ def run_worker_step(
 
     The forward stops at the hidden states: rank 0 alone computes logits.
     """
-    input_ids, positions, meta, _rows = runner.staged_inputs(message.plan())
+    input_ids, positions, meta, _rows = runner.staged_inputs(message.plan)
     if message.fill is not None:
         if previous_sampled is None:
             raise RuntimeError("a step needs tokens that no step in flight is sampling")
