@@ -225,11 +225,15 @@ class DecoderLM(MoEForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def position_encoding(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """What every layer takes after the hidden states: rotary ``(cos, sin)`` here."""
+        return self.rotary.cos_sin(positions, dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        encoding = self.position_encoding(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, *encoding)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

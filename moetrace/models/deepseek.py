@@ -35,7 +35,8 @@ from moetrace.layers.moe import (
 )
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
-from moetrace.models.base import MoEBlockBase, MoEForCausalLM
+from moetrace.models.base import MoEBlockBase
+from moetrace.models.common import DecoderLM, map_experts, map_norms
 from moetrace.models.weights import WeightMap
 
 # transformers' config defaults for the routing keys a config.json may leave out.
@@ -172,7 +173,7 @@ class DeepseekDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekForCausalLM(MoEForCausalLM):
+class DeepseekForCausalLM(DecoderLM):
     version: int = 0
 
     def __init__(self, config: dict) -> None:
@@ -180,9 +181,8 @@ class DeepseekForCausalLM(MoEForCausalLM):
         check_config(config, self.version)
         self.config = config
         hidden = config["hidden_size"]
-        self.vocab_size = config["vocab_size"]
         # Registered first: the engine reads the model dtype from the first parameter.
-        self.embed_tokens = nn.Embedding(self.vocab_size, hidden)
+        self._init_embedding(config)
         self.num_experts = config["n_routed_experts"]
         self.top_k = config["num_experts_per_tok"]
         self.moe_layer_indices = deepseek_moe_layer_indices(config)
@@ -209,68 +209,35 @@ class DeepseekForCausalLM(MoEForCausalLM):
             DeepseekDecoderLayer(config, self.version, i in moe, dims, scale)
             for i in range(config["num_hidden_layers"])
         )
-        for n, i in enumerate(self.moe_layer_indices):
-            self.layers[i].mlp.moe_index = n
-        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.weights = self._weight_map()
+        self._init_head(config, RMSNorm(hidden, config.get("rms_norm_eps", 1e-6)))
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+    def position_encoding(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[Rope]:
+        """One rope function for every layer's MLA, in this version's pair layout."""
         if self.rope_layout == "complex":
             rotations = self.rotary.rotations(positions)
-            return lambda x: RotaryEmbedding.apply_complex(x, rotations)
+            return (lambda x: RotaryEmbedding.apply_complex(x, rotations),)
         cos, sin = self.rotary.cos_sin(positions, dtype)
         if self.rope_layout == "interleaved":
-            return lambda x: RotaryEmbedding.apply_interleaved(x, cos, sin)
-        return lambda x: RotaryEmbedding.apply(x, cos, sin)
+            return (lambda x: RotaryEmbedding.apply_interleaved(x, cos, sin),)
+        return (lambda x: RotaryEmbedding.apply(x, cos, sin),)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self._rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    # ---------------------------------------------------------------- weights
-    def _weight_map(self) -> WeightMap:
-        wm = WeightMap(self)
-        wm.direct("model.embed_tokens.weight", "embed_tokens.weight")
-        wm.direct("model.norm.weight", "norm.weight")
-        if not self.tie_word_embeddings:
-            wm.direct("lm_head.weight", "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for name, _ in layer.self_attn.named_parameters():
-                if not name.startswith("attn."):
-                    wm.direct(f"{src}self_attn.{name}", f"{dst}self_attn.{name}")
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                wm.direct(f"{src}{norm}.weight", f"{dst}{norm}.weight")
-            mlp = layer.mlp
-            if isinstance(mlp, DeepseekMoE):
-                self._map_moe(wm, mlp, src + "mlp.", dst + "mlp.")
-            else:
-                _map_gated(wm, mlp, src + "mlp.", dst + "mlp.")
-        return wm
-
-    @staticmethod
-    def _map_moe(wm: WeightMap, mlp: DeepseekMoE, src: str, dst: str) -> None:
-        wm.direct(f"{src}gate.weight", f"{dst}gate")
+    def _map_layer(self, wm: WeightMap, i: int, layer: nn.Module, src: str, dst: str) -> None:
+        for name, _ in layer.self_attn.named_parameters():
+            if not name.startswith("attn."):
+                wm.direct(f"{src}self_attn.{name}", f"{dst}self_attn.{name}")
+        map_norms(wm, layer, src, dst)
+        mlp = layer.mlp
+        if not isinstance(mlp, DeepseekMoE):
+            _map_gated(wm, mlp, src + "mlp.", dst + "mlp.")
+            return
+        wm.direct(f"{src}mlp.gate.weight", f"{dst}mlp.gate")
         if mlp.version == 3:
-            wm.direct(f"{src}gate.e_score_correction_bias", f"{dst}e_score_correction_bias")
-        inter = mlp.experts.intermediate
-        for e in range(mlp.experts.num_experts):
-            ex = f"{src}experts.{e}."
-            wm.rows(f"{ex}gate_proj.weight", f"{dst}experts.w13", 0, inter, index=e)
-            wm.rows(f"{ex}up_proj.weight", f"{dst}experts.w13", inter, inter, index=e)
-            wm.direct(f"{ex}down_proj.weight", f"{dst}experts.w2", index=e)
+            wm.direct(f"{src}mlp.gate.e_score_correction_bias", f"{dst}mlp.e_score_correction_bias")
+        map_experts(wm, mlp.experts, f"{src}mlp.experts.", f"{dst}mlp.experts.")
         if mlp.shared_experts is not None:
-            _map_gated(wm, mlp.shared_experts, f"{src}shared_experts.", f"{dst}shared_experts.")
+            _map_gated(
+                wm, mlp.shared_experts, f"{src}mlp.shared_experts.", f"{dst}mlp.shared_experts."
+            )
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -278,10 +245,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
                 f"tensor {name!r} is {tensor.dtype}: FP8 block-quantized checkpoints are not "
                 "supported; convert to bfloat16 first (DeepSeek's fp8_cast_bf16.py)"
             )
-        return self.weights.load(name, tensor)
-
-    def expected_weight_names(self) -> set[str]:
-        return set(self.weights.targets)
+        return super().load_weight(name, tensor)
 
 
 def _map_gated(wm: WeightMap, mlp: GatedMLP, src: str, dst: str) -> None:
