@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,14 @@ from engine_helpers import shared_prefix_prompts, tiny_qwen3_config
 from safetensors.torch import save_file
 
 from moetrace.config import EngineConfig
+from moetrace.distributed.launch import WorkerSpec, init_group, leave_group, serve_worker
+from moetrace.distributed.state import (
+    ParallelConfig,
+    ParallelState,
+    TensorParallelLayout,
+    set_parallel_state,
+)
+from moetrace.distributed.step_sync import end_steps
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
 from moetrace.models.loader import fill_dummy, instantiate, load_model
@@ -138,23 +148,23 @@ def run_engine(scenario: Scenario, prompts: dict[str, list[int]]) -> dict:
     }
 
 
-def _scenario_rank(rank: int, world: int, rendezvous: str, scenarios: list, out: str) -> None:
-    """One process of a tensor-parallel group running every scenario in turn."""
-    from moetrace.distributed.launch import WorkerSpec, init_group, leave_group, serve_worker
-    from moetrace.distributed.state import (
-        ParallelConfig,
-        ParallelState,
-        TensorParallelLayout,
-        set_parallel_state,
-    )
-    from moetrace.distributed.step_sync import end_steps
+GroupJob = tuple[object, ParallelConfig, WorkerSpec, Callable[[], object]]
 
-    torch.set_num_threads(1)
-    state = init_group(ParallelConfig(world), rank, rank, "cpu", f"file://{rendezvous}")
+
+def _group_rank(
+    rank: int, world: int, rendezvous: str, device_type: str, jobs: list[GroupJob], out: str
+) -> None:
+    """One process of a tensor-parallel group running each job in turn.
+
+    A job is (result key, parallel flags, what the workers load, rank 0's
+    run); rank 0 drives the run, the other ranks serve its steps.
+    """
+    if device_type == "cpu":
+        torch.set_num_threads(1)
+    state = init_group(ParallelConfig(world), rank, rank, device_type, f"file://{rendezvous}")
     results = {}
     try:
-        for scenario in scenarios:
-            config = ParallelConfig(world, scenario.expert_parallel, scenario.sequence_parallel)
+        for key, config, spec, drive in jobs:
             state = ParallelState(
                 config, TensorParallelLayout.of(config, rank), state.comm, state.device
             )
@@ -162,11 +172,8 @@ def _scenario_rank(rank: int, world: int, rendezvous: str, scenarios: list, out:
             if rank != 0:
                 serve_worker(state)
                 continue
-            spec = WorkerSpec(
-                scenario.model, "cpu", "float64", scenario.load_format, 0, engine_config(scenario)
-            )
             state.comm.broadcast_object(spec)
-            results[scenario.name] = run_engine(scenario, default_prompts())
+            results[key] = drive()
             end_steps(state)
     finally:
         leave_group()
@@ -174,13 +181,29 @@ def _scenario_rank(rank: int, world: int, rendezvous: str, scenarios: list, out:
         Path(out).write_bytes(pickle.dumps(results))
 
 
+def run_group(jobs: list[GroupJob], tmp: Path, device_type: str = "cpu", world: int = 2) -> dict:
+    """Rank 0's results by job key, from a ``world``-process group (gloo on CPU, NCCL on CUDA)."""
+    out = tmp / "results.pkl"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = (world, str(tmp / "rendezvous"), device_type, jobs, str(out))
+    mp.spawn(_group_rank, args=args, nprocs=world)
+    return pickle.loads(out.read_bytes())
+
+
 def run_tensor_parallel(scenarios: list[Scenario], tmp: Path, world: int = 2) -> dict:
     """Run the scenarios on a ``world``-process gloo group; rank 0's results by scenario name."""
-    out = tmp / "results.pkl"
-    rendezvous = str(tmp / "rendezvous")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_scenario_rank, args=(world, rendezvous, scenarios, str(out)), nprocs=world)
-    return pickle.loads(out.read_bytes())
+    jobs = [
+        (
+            scenario.name,
+            ParallelConfig(world, scenario.expert_parallel, scenario.sequence_parallel),
+            WorkerSpec(
+                scenario.model, "cpu", "float64", scenario.load_format, 0, engine_config(scenario)
+            ),
+            partial(run_engine, scenario, default_prompts()),
+        )
+        for scenario in scenarios
+    ]
+    return run_group(jobs, tmp, "cpu", world)
 
 
 def assert_same_results(got: dict, want: dict, label: str) -> None:
@@ -219,44 +242,6 @@ def layer_agreement(a: Path, b: Path) -> np.ndarray:
     return same.mean(axis=0)
 
 
-def _bf16_router_rank(
-    rank: int, world: int, rendezvous: str, model_dir: str, prompts, out: str, device_type: str
-) -> None:
-    """One process of a tensor-parallel group; rank 0 records with hooks on the MoE blocks."""
-    from moetrace.distributed.launch import WorkerSpec, init_group, leave_group, serve_worker
-    from moetrace.distributed.state import (
-        ParallelConfig,
-        ParallelState,
-        TensorParallelLayout,
-        set_parallel_state,
-    )
-    from moetrace.distributed.step_sync import end_steps
-
-    state = init_group(ParallelConfig(world), rank, rank, device_type, f"file://{rendezvous}")
-    results = {}
-    try:
-        for expert_parallel in (False, True):
-            config = ParallelConfig(world, expert_parallel)
-            state = ParallelState(
-                config, TensorParallelLayout.of(config, rank), state.comm, state.device
-            )
-            set_parallel_state(state)
-            if rank != 0:
-                serve_worker(state)
-                continue
-            engine = EngineConfig(num_kv_blocks=256, max_num_seqs=8)
-            spec = WorkerSpec(model_dir, device_type, "bfloat16", "dummy", 0, engine)
-            state.comm.broadcast_object(spec)
-            results[expert_parallel] = router_inputs_and_rows(
-                model_dir, state.device, engine, prompts
-            )
-            end_steps(state)
-    finally:
-        leave_group()
-    if rank == 0:
-        Path(out).write_bytes(pickle.dumps(results))
-
-
 def router_inputs_and_rows(model_dir: str, device, engine_config: EngineConfig, prompts) -> dict:
     """Each prompt's recorded rows and every MoE block's input in its prefill, on the host.
 
@@ -288,11 +273,16 @@ def router_inputs_and_rows(model_dir: str, device, engine_config: EngineConfig, 
 def run_bf16_router_group(
     model_dir: Path, prompts: list[list[int]], tmp: Path, device_type: str = "cuda"
 ) -> dict:
-    """{expert_parallel: rank 0's rows and router inputs} from a 2-process group."""
-    out = tmp / "router.pkl"
-    mp.spawn(
-        _bf16_router_rank,
-        args=(2, str(tmp / "rendezvous-router"), str(model_dir), prompts, str(out), device_type),
-        nprocs=2,
-    )
-    return pickle.loads(out.read_bytes())
+    """{expert_parallel: rank 0's rows and router inputs} from a 2-process group, in bf16."""
+    engine = EngineConfig(num_kv_blocks=256, max_num_seqs=8)
+    device = torch.device("cuda", 0) if device_type == "cuda" else CPU
+    jobs = [
+        (
+            expert_parallel,
+            ParallelConfig(2, expert_parallel),
+            WorkerSpec(str(model_dir), device_type, "bfloat16", "dummy", 0, engine),
+            partial(router_inputs_and_rows, str(model_dir), device, engine, prompts),
+        )
+        for expert_parallel in (False, True)
+    ]
+    return run_group(jobs, tmp, device_type)
