@@ -13,14 +13,16 @@ one extra copy kernel per layer per step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moetrace.capture.types import RoutedExpertsTensors
+from moetrace.trace.metadata import expert_id_dtype
 
 
 def capture_dtype(num_experts: int) -> torch.dtype:
-    """uint8 when every id fits, else int32 (torch's uint16 lacks the ops a copy needs)."""
-    return torch.uint8 if num_experts <= 256 else torch.int32
+    """The trace's id dtype where it is uint8, else int32 (torch's uint16 lacks the ops a copy needs)."""
+    return torch.uint8 if expert_id_dtype(num_experts) == np.uint8 else torch.int32
 
 
 class RoutingCapturer:
