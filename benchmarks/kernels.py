@@ -30,7 +30,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from moetrace.engine.context import AttentionMetadata
+from moetrace.forward_context import AttentionMetadata
 from moetrace.kernels import triton_attention as ta
 from moetrace.kernels import triton_moe as tm
 

@@ -168,7 +168,7 @@ def test_forward_and_capture_never_sync_the_host():
     plan = build_plan(plan_output, 16)
     ids, pos, meta, _rows = eng.runner.staged_inputs(plan)
     torch.cuda.synchronize()
-    from moetrace.engine.context import forward_context
+    from moetrace.forward_context import forward_context
 
     torch.cuda.set_sync_debug_mode("error")
     try:

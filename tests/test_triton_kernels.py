@@ -16,7 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from moetrace.engine.context import AttentionMetadata  # noqa: E402
+from moetrace.forward_context import AttentionMetadata  # noqa: E402
 from moetrace.kernels import triton_attention  # noqa: E402
 from moetrace.kernels.triton_attention import (  # noqa: E402
     paged_attention,

@@ -21,8 +21,8 @@ import torch
 from moetrace.capture.capturer import RoutingCapturer
 from moetrace.distributed.sequence_parallel import SequenceParallelCapturer
 from moetrace.distributed.state import ParallelState
-from moetrace.engine.context import forward_context
 from moetrace.engine.step_plan import StepPlan
+from moetrace.forward_context import forward_context
 
 if TYPE_CHECKING:
     from moetrace.engine.model_runner import ModelRunner

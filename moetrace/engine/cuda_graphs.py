@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moetrace.engine.context import AttentionMetadata, forward_context
 from moetrace.engine.step_plan import StepPlan
+from moetrace.forward_context import AttentionMetadata, forward_context
 
 if TYPE_CHECKING:
     from moetrace.engine.model_runner import ModelRunner

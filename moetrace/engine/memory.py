@@ -12,7 +12,7 @@ import torch
 
 from moetrace.config import EngineConfig
 from moetrace.distributed.state import get_parallel_state
-from moetrace.engine.context import AttentionMetadata, forward_context
+from moetrace.forward_context import AttentionMetadata, forward_context
 from moetrace.models.base import MoEForCausalLM
 
 GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' own pool, measured well under this

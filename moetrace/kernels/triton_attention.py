@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetrace.engine.context import AttentionMetadata
-from moetrace.layers.attention import store_kv_torch  # the plain path, and the baseline benchmarked
+from moetrace.forward_context import AttentionMetadata
+from moetrace.kernels.kv_store import store_kv_torch  # the plain path, and the baseline benchmarked
 
 _LOG2E = 1.4426950408889634
 

@@ -12,19 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrace.engine.context import AttentionMetadata, get_attention_metadata
-
-
-def store_kv_torch(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+from moetrace.forward_context import AttentionMetadata, get_attention_metadata
+from moetrace.kernels.kv_store import store_kv_torch
 
 
 def paged_attention_torch(

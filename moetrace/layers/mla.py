@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrace.engine.context import get_attention_metadata
-from moetrace.layers.attention import PagedAttention, store_kv_torch
+from moetrace.forward_context import get_attention_metadata
+from moetrace.kernels.kv_store import store_kv_torch
+from moetrace.layers.attention import PagedAttention
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import _yarn_mscale
 

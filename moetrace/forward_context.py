@@ -1,9 +1,13 @@
 """Per-step forward context: what attention needs to find each token's KV.
 
 The model runner builds one ``AttentionMetadata`` per step and installs it with
-``set_forward_context``; attention layers read it with ``get_forward_context``
-instead of having it threaded through every module call.  All device tensors
-are built before the forward so that nothing inside it needs the host.
+``forward_context``; attention layers and kernels read it with
+``get_attention_metadata`` instead of having it threaded through every module
+call.  All device tensors are built before the forward so that nothing inside
+it needs the host.
+
+It sits at the bottom of the package, beside nothing it depends on, so that
+the layers and kernels that read it never import the engine that fills it.
 """
 
 from __future__ import annotations
