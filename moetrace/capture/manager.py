@@ -14,10 +14,27 @@ rows it holds — those are the rows that produced the tokens — and later rows
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from moetrace.capture.types import RoutedExpertsLists
-from moetrace.engine.request import Request
+
+
+class RequestBlocks(Protocol):
+    """What a snapshot reads of a request: its id, its blocks and how far it has computed.
+
+    The engine's request satisfies it; capture never imports the engine above it.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_table(self) -> list[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 
 class StaleRoutingError(RuntimeError):
@@ -63,7 +80,7 @@ class RoutedExpertsCache:
         self.manager = manager
         self._snapshots: dict[str, np.ndarray] = {}
 
-    def capture(self, request: Request) -> None:
+    def capture(self, request: RequestBlocks) -> None:
         """Save the request's computed rows; call before its blocks are freed."""
         num_rows = min(
             request.num_computed_tokens, len(request.block_table) * self.manager.block_size
@@ -77,7 +94,7 @@ class RoutedExpertsCache:
             rows = np.concatenate([held, rows[held.shape[0] :]])
         self._snapshots[request.request_id] = rows
 
-    def take(self, request: Request, num_rows: int | None = None) -> np.ndarray:
+    def take(self, request: RequestBlocks, num_rows: int | None = None) -> np.ndarray:
         """The request's final rows (all it has when ``num_rows`` is None).
 
         The request must have been captured after its last step; fewer valid
