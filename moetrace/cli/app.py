@@ -1,4 +1,4 @@
-"""The ``moetrace`` command: record, inspect."""
+"""The ``moetrace`` command: record, inspect, export, diff, import, merge, verify."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from moetrace.cli.export_cmd import export_command
 from moetrace.cli.import_cmd import import_command
 from moetrace.cli.inspect_cmd import inspect_command
 from moetrace.cli.merge_cmd import merge_command
+from moetrace.cli.pipes import quiet_on_closed_pipe
 from moetrace.cli.record_cmd import record_command
 from moetrace.cli.verify_cmd import verify_command
 from moetrace.errors import MoetraceError
@@ -24,13 +25,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-app.command("record", no_args_is_help=True)(record_command)
-app.command("inspect", no_args_is_help=True)(inspect_command)
-app.command("export", no_args_is_help=True)(export_command)
-app.command("diff", no_args_is_help=True)(diff_command)
-app.command("import", no_args_is_help=True)(import_command)
-app.command("merge", no_args_is_help=True)(merge_command)
-app.command("verify", no_args_is_help=True)(verify_command)
+
+
+for _name, _command in (
+    ("record", record_command),
+    ("inspect", inspect_command),
+    ("export", export_command),
+    ("diff", diff_command),
+    ("import", import_command),
+    ("merge", merge_command),
+    ("verify", verify_command),
+):
+    app.command(_name, no_args_is_help=True)(quiet_on_closed_pipe(_command))
 
 
 def _version(value: bool) -> None:
@@ -49,30 +55,18 @@ def _root(
 
 
 def main() -> None:
-    """Console entry point: user errors become one line on stderr, exit code 2... or 1."""
+    """Console entry point.
+
+    Typer runs in its standalone mode, so usage errors (unknown command or
+    option, missing argument, no arguments at all) print click's usage message
+    and exit 2, ``typer.Exit`` codes pass through and Ctrl-C exits 130.  Errors
+    the user can fix in their input raise ``MoetraceError``: one line, exit 1.
+    """
     try:
-        # Outside standalone mode click returns a command's typer.Exit code instead of exiting.
-        code = app(standalone_mode=False)
+        app(prog_name="moetrace")
     except MoetraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("aborted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
-    if isinstance(code, int) and code:
-        sys.exit(code)
 
 
 if __name__ == "__main__":

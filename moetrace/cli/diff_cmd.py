@@ -10,6 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from moetrace.cli.pipes import StdoutConsole
 from moetrace.trace.reader import open_trace
 
 
@@ -55,7 +56,7 @@ def diff_command(
     if as_json:
         typer.echo(json.dumps(result))
         return
-    _render(Console(), result, limit)
+    _render(StdoutConsole(), result, limit)
 
 
 def _pct(x) -> str:

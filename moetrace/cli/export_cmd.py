@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -61,15 +60,13 @@ def export_command(
                 write_npz(trace, positions, output, dtype)
             elif fmt == "npy":
                 write_npy(next(selected_requests(trace, positions)), output, dtype)
-            elif output is None:
-                try:
-                    write_jsonl(selected_requests(trace, positions), sys.stdout, dtype)
-                    sys.stdout.flush()
-                except BrokenPipeError:  # `| head`: the reader has all it wants
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            elif output is None:  # a closed pipe (`| head`) ends the command quietly
+                write_jsonl(selected_requests(trace, positions), sys.stdout, dtype)
             else:
                 with open(output, "w", encoding="utf-8") as f:
                     write_jsonl(selected_requests(trace, positions), f, dtype)
+        except BrokenPipeError:
+            raise
         except OSError as exc:
             raise MoetraceError(
                 f"cannot write {output or 'output'}: {exc.strerror or exc}"

@@ -9,6 +9,7 @@ import numpy as np
 import typer
 from rich.console import Console
 
+from moetrace.cli.pipes import StdoutConsole
 from moetrace.trace.reader import open_trace
 
 
@@ -107,7 +108,7 @@ def inspect_command(
     if as_json:
         typer.echo(json.dumps(report, default=_plain))
         return
-    render_report(Console(), report)
+    render_report(StdoutConsole(), report)
     if plot is not None:
         Console(stderr=True).print(f"[green]wrote[/green] {plot}", highlight=False)
 

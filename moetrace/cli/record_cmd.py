@@ -25,9 +25,12 @@ _SUPPORTED = ", ".join(supported_architectures())
 def record_command(
     model: str = typer.Argument(
         ...,
+        metavar="MODEL",
         help=f"Checkpoint directory (config.json + safetensors) or 'demo'. Supported: {_SUPPORTED}.",
     ),
-    prompts: str = typer.Argument(..., help="JSONL file of prompts, or '-' for standard input."),
+    prompts: str = typer.Argument(
+        ..., metavar="PROMPTS", help="JSONL file of prompts, or '-' for standard input."
+    ),
     output: Path = typer.Option(..., "-o", "--output", help="Trace file to write (HDF5)."),
     max_tokens: int = typer.Option(
         16, "--max-tokens", help="Tokens to generate per prompt (a line's max_tokens wins)."

@@ -1,0 +1,97 @@
+"""The installed ``moetrace`` console script, run as a user runs it: in a subprocess.
+
+In-process runners (typer's CliRunner, calling ``main``) skip the entry point
+and the exception classes it meets, which is how usage errors once printed
+tracebacks on a fresh install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(sys.executable).parent / "moetrace"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def moetrace(*args: str, cwd: Path | None = None, **kwargs) -> subprocess.CompletedProcess:
+    assert SCRIPT.is_file(), f"{SCRIPT} missing: install the package (make install)"
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}
+    return subprocess.run(
+        [str(SCRIPT), *args],
+        text=True,
+        env=ENV,
+        cwd=cwd,
+        timeout=120,
+        check=False,
+        **streams,
+    )
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("entry")
+    prompts = tmp / "p.jsonl"
+    lines = [{"id": f"r{i}", "prompt": "Hello experts " * (i + 1)} for i in range(12)]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = moetrace("record", "demo", str(prompts), "-o", str(tmp / "t.h5"), "-q")
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "t.h5"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "Usage: moetrace"),
+        (("frobnicate",), "No such command 'frobnicate'"),
+        (("inspect", "--bogus", "t.h5"), "No such option: --bogus"),
+        (("record",), "Usage: moetrace record"),
+        (("record", "demo"), "Missing argument 'PROMPTS'"),
+        (("export", "t.h5", "--dtype"), "Option '--dtype' requires an argument"),
+    ],
+)
+def test_usage_errors_exit_2_with_clicks_message(args, message):
+    proc = moetrace(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    both = proc.stdout + proc.stderr
+    assert message in both
+    assert "Traceback" not in both
+
+
+def test_user_error_is_one_line_exit_1(tmp_path):
+    proc = moetrace("inspect", str(tmp_path / "missing.h5"))
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [f"error: no such trace file: {tmp_path / 'missing.h5'}"]
+
+
+def test_version_and_help_exit_0():
+    assert moetrace("--version").stdout.strip().startswith("moetrace ")
+    proc = moetrace("inspect", "--help")
+    assert proc.returncode == 0 and "TRACE" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("inspect", "{t}"),
+        ("inspect", "{t}", "--all"),
+        ("inspect", "{t}", "--json"),
+        ("diff", "{t}", "{t}"),
+        ("export", "{t}"),
+    ],
+)
+def test_closed_standard_output_exits_0_quietly(trace, args):
+    """``moetrace inspect t.h5 | head -1``: the reader closing early is no failure."""
+    read, write = os.pipe()
+    os.close(read)  # every write meets a closed pipe, whatever the timing
+    try:
+        proc = moetrace(*(a.format(t=trace) for a in args), stdout=write)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
