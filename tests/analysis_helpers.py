@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrace.engine.outputs import FinishedRequest
 from moetrace.trace.metadata import TraceMetadata
+from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
 
 LAYERS = [1, 2, 3, 5]  # decoder indices of the MoE layers (0 and 4 are dense)

@@ -7,9 +7,9 @@ import torch
 
 from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
-from moetrace.engine.outputs import FinishedRequest
 from moetrace.engine.sampling import SamplingParams
 from moetrace.models.loader import fill_dummy, instantiate
+from moetrace.trace.records import FinishedRequest
 
 CPU = torch.device("cpu")
 

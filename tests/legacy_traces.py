@@ -78,8 +78,8 @@ def expected_requests(name: str) -> list[dict]:
 
 
 def _write_all() -> None:  # pragma: no cover - run by hand, once
-    from moetrace.engine.outputs import FinishedRequest
     from moetrace.trace.metadata import TraceMetadata
+    from moetrace.trace.records import FinishedRequest
     from moetrace.trace.writer import TraceWriter
 
     DATA.mkdir(exist_ok=True)

@@ -129,8 +129,9 @@ def test_unknown_tokens_compare_as_equal():
 
     def req(tokens, rows):
         return TraceRequest(
-            "x", 0, 0, np.array(tokens[:2]), np.array(tokens[2:]), np.zeros((rows, 1, 1)),
-            "stop", 0, 0, 0, 0, 0,
+            request_id="x", index=0, prompt_token_ids=np.array(tokens[:2]),
+            output_token_ids=np.array(tokens[2:]), routed_experts=np.zeros((rows, 1, 1)),
+            finish_reason="stop", position=0, row_start=0, token_start=0, checksum=0,
         )  # fmt: skip
 
     assert compared_rows(req([1, 2, 3, 4], 3), req([-1, -1, -1, -1], 3)) == (3, None, True)

@@ -33,8 +33,9 @@ from moetrace.config import EngineConfig
 from moetrace.errors import MoetraceError
 from moetrace.recording import Recording, SamplingDefaults
 from moetrace.signals import GracefulStop, Interrupted
+from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
 from moetrace.trace.verify import verify_trace
-from moetrace.trace.writer import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS, TraceWriter
+from moetrace.trace.writer import TraceWriter
 
 N = 24
 

@@ -16,8 +16,9 @@ from reliability_helpers import run_cli
 from test_trace_writer_reader import make_metadata, mixed_requests
 
 from moetrace.errors import MoetraceError
+from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
 from moetrace.trace.verify import verify_trace
-from moetrace.trace.writer import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS, TraceWriter
+from moetrace.trace.writer import TraceWriter
 
 N = 30
 

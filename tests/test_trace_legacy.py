@@ -97,6 +97,6 @@ def test_an_old_trace_can_be_resumed(tmp_path, name):
 
 
 def _finished(fields: dict):
-    from moetrace.engine.outputs import FinishedRequest
+    from moetrace.trace.records import FinishedRequest
 
     return FinishedRequest(**fields)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from moetrace import open_trace
-from moetrace.engine.outputs import FinishedRequest
 from moetrace.errors import MoetraceError
 from moetrace.trace.metadata import TraceMetadata
+from moetrace.trace.records import FinishedRequest
 from moetrace.trace.stats import (
     counts_from_rows,
     expert_counts,

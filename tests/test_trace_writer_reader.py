@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moetrace import open_trace
-from moetrace.engine.outputs import FinishedRequest
 from moetrace.errors import MoetraceError
 from moetrace.trace import writer as writer_module
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION, TraceMetadata
+from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
 
 CHUNK = 64  # small chunks so that a few dozen requests cross many chunk boundaries

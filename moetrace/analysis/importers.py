@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 import pybase64
 
-from moetrace.engine.outputs import FinishedRequest
 from moetrace.errors import MoetraceError
 from moetrace.trace.metadata import TraceMetadata, expert_id_dtype
+from moetrace.trace.records import FinishedRequest
 
 ENGINES = ("auto", "vllm", "sglang", "moetrace")
 NPY_MAGIC = b"\x93NUMPY"

@@ -20,7 +20,7 @@ import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import Trace
-from moetrace.trace.writer import ROUTED_EXPERTS, TOKEN_IDS
+from moetrace.trace.records import ROUTED_EXPERTS, TOKEN_IDS
 
 PARTS = ("all", "prompt", "output")
 DEFAULT_CHUNK_ROWS = 16384  # a few MB of rows even for 61 layers x top-8

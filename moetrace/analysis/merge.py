@@ -18,11 +18,11 @@ import h5py
 
 from moetrace.analysis.load import trace_dataset
 from moetrace.distributed.shards import check_shard_set
-from moetrace.engine.outputs import FinishedRequest
 from moetrace.errors import MoetraceError
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace
-from moetrace.trace.writer import ROUTED_EXPERTS, TraceWriter
+from moetrace.trace.records import ROUTED_EXPERTS
+from moetrace.trace.writer import TraceWriter
 
 MUST_MATCH = (
     "format_version",
@@ -129,19 +129,7 @@ def merge_traces(
         with writer:
             for shard in shards:
                 for req in shard:
-                    writer.submit(
-                        FinishedRequest(
-                            request_id=req.id,
-                            index=req.index,
-                            prompt_token_ids=req.prompt_token_ids,
-                            output_token_ids=req.output_token_ids,
-                            routed_experts=req.routed_experts,
-                            finish_reason=req.finish_reason,
-                            num_cached_tokens=req.num_cached_tokens,
-                            num_preemptions=req.num_preemptions,
-                            extra=req.extra,
-                        )
-                    )
+                    writer.submit(req)  # a TraceRequest is the FinishedRequest it was written from
                 provenance.append(
                     {
                         "path": str(shard.path),

@@ -13,13 +13,13 @@ from moetrace.config import EngineConfig
 from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
 from moetrace.engine.model_runner import LaunchedStep, ModelRunner
-from moetrace.engine.outputs import FinishedRequest
 from moetrace.engine.request import Request, RequestStatus
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.scheduler import Scheduler
 from moetrace.errors import CapacityError, MoetraceError
 from moetrace.models.base import MoEForCausalLM
 from moetrace.trace.metadata import expert_id_dtype
+from moetrace.trace.records import FinishedRequest
 
 
 class RequestRejected(MoetraceError):

@@ -15,11 +15,22 @@ import numpy as np
 TOKEN_DTYPE = np.dtype("<i4")
 
 
-def request_checksum(routed_experts: np.ndarray, token_ids: np.ndarray) -> int:
-    """CRC-32 of the request's rows (stored dtype, little-endian, C order) then its int32 tokens."""
-    rows = np.ascontiguousarray(routed_experts, dtype=routed_experts.dtype.newbyteorder("<"))
-    tokens = np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)
-    return zlib.crc32(tokens, zlib.crc32(rows))
+def request_checksum(routed_experts: np.ndarray, token_ids: np.ndarray, *more: np.ndarray) -> int:
+    """CRC-32 of a request's slices of the flat arrays, one CRC continued over each in turn.
+
+    Each slice counts as its raw bytes (stored dtype, little-endian, C order):
+    first the routing rows, then the int32 tokens, then any further array the
+    file holds, in the order ``trace.records.ARRAYS`` declares them.
+    """
+    crc = zlib.crc32(_le(routed_experts))
+    crc = zlib.crc32(np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE), crc)
+    for array in more:
+        crc = zlib.crc32(_le(array), crc)
+    return crc
+
+
+def _le(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
 
 
 def expected_num_rows(prompt_len: int, output_len: int, finish_reason: str) -> range:

@@ -10,39 +10,43 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from moetrace.engine.outputs import RequestLengths
 from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import expected_num_rows, plain_value, request_checksum
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
-from moetrace.trace.writer import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
+from moetrace.trace.records import (
+    ARRAYS,
+    REQUESTS,
+    ROUTED_EXPERTS,
+    ROWS,
+    TOKEN_IDS,
+    TOKENS,
+    FinishedRequest,
+    RecordDecoder,
+)
 
 ITER_ROWS = 65536  # rows read at once when streaming (a few tens of MB for big models)
 ITER_TOKENS = 1 << 22  # token ids read at once (16 MiB)
 
 
-@dataclass
-class TraceRequest(RequestLengths):
-    """One request as stored: its tokens and one routing row per token run through the model."""
+@dataclass(kw_only=True)
+class TraceRequest(FinishedRequest):
+    """One request as stored: the record the writer got, and where the file keeps it."""
 
-    id: str
-    index: int  # position in the input, as the engine numbered it
     position: int  # record number in the trace
-    prompt_token_ids: np.ndarray  # int32
-    output_token_ids: np.ndarray  # int32
-    routed_experts: np.ndarray  # (num_rows, num_moe_layers, top_k), router order
-    finish_reason: str
-    num_cached_tokens: int
-    num_preemptions: int
     row_start: int
     token_start: int
     checksum: int
-    extra: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        """The request id (the table's name for ``request_id``)."""
+        return self.request_id
 
 
 class Trace:
@@ -78,13 +82,19 @@ class Trace:
             )
         self.metadata: dict = {k: plain_value(v) for k, v in f.attrs.items()}
         self.metadata["engine_settings"] = json.loads(self.metadata.get("engine_settings") or "{}")
-        missing = [name for name in (ROUTED_EXPERTS, TOKEN_IDS, REQUESTS) if name not in f]
+        required = [a.name for a in ARRAYS if a.required]
+        missing = [name for name in (*required, REQUESTS) if name not in f]
         if missing:
             raise MoetraceError(f"trace lacks dataset(s) {', '.join(missing)}: {self.path}")
+        # The flat arrays this file holds, in checksum order.
+        self._arrays = [a for a in ARRAYS if a.name in f]
+        self._data = {a.name: f[a.name] for a in self._arrays}
         self._routed, self._tokens, table = f[ROUTED_EXPERTS], f[TOKEN_IDS], f[REQUESTS]
-        self._reason_names = {
-            code: name for name, code in h5py.check_enum_dtype(table.dtype["finish_reason"]).items()
-        }
+        try:
+            self._decoder = RecordDecoder(table.dtype)
+        except ValueError as exc:
+            raise MoetraceError(f"{exc}: {self.path}") from None
+        self._reason_names = self._decoder.enum_names["finish_reason"]
         self.complete = bool(self.metadata.get("complete", False))
         unreadable = 0
         try:
@@ -97,8 +107,9 @@ class Trace:
                 ) from None
             records = _readable_prefix(table)
             unreadable = table.shape[0] - len(records)
-        for name in ("id", "extra"):
-            records[name] = [s.decode() if isinstance(s, bytes) else s for s in records[name]]
+        for name in records.dtype.names:
+            if h5py.check_string_dtype(table.dtype[name]) is not None:
+                records[name] = [s.decode() if isinstance(s, bytes) else s for s in records[name]]
         self.num_dropped = unreadable  # tail records left out: their data is not on disk
         if not self.complete:
             good = self._trusted_prefix(records)
@@ -181,52 +192,53 @@ class Trace:
                 pos += self.num_requests
             if not 0 <= pos < self.num_requests:
                 raise IndexError(f"request {key} out of range ({self.num_requests} requests)")
-        rec = self._table[pos]
+        return self._make(pos, self._read_slices(self._table[pos]))
+
+    def _read_slices(self, rec: np.void) -> dict[str, np.ndarray]:
+        """One record's slice of every array the file holds, each read on its own."""
         r0, t0 = int(rec["row_start"]), int(rec["token_start"])
-        rows = self._routed[r0 : r0 + int(rec["num_rows"])]
-        tokens = self._tokens[t0 : t0 + int(rec["prompt_len"]) + int(rec["output_len"])]
-        return self._make(pos, rows, tokens)
+        extents = {
+            ROWS: (r0, r0 + int(rec["num_rows"])),
+            TOKENS: (t0, t0 + int(rec["prompt_len"]) + int(rec["output_len"])),
+        }
+        return {a.name: self._data[a.name][slice(*extents[a.along])] for a in self._arrays}
 
     def __iter__(self) -> Iterator[TraceRequest]:
         """All requests in record order, reading the data of many requests in one slice."""
-        t, ends, tok_ends = self._table, self._row_end, self._token_end
-        starts, tok_starts = t["row_start"], t["token_start"]
+        t = self._table
+        bounds = {
+            ROWS: (t["row_start"], self._row_end),
+            TOKENS: (t["token_start"], self._token_end),
+        }
         i = 0
         while i < len(t):
             j = i + 1
-            while j < len(t) and ends[j] - starts[i] <= ITER_ROWS:
+            while j < len(t) and self._row_end[j] - t["row_start"][i] <= ITER_ROWS:
                 j += 1
-            r0, t0 = int(starts[i]), int(tok_starts[i])
-            r1, t1 = max(r0, int(ends[j - 1])), max(t0, int(tok_ends[j - 1]))
-            rows, tokens = self._routed[r0:r1], self._tokens[t0:t1]
+            windows = {}
+            for a in self._arrays:
+                starts, ends = bounds[a.along]
+                lo = int(starts[i])
+                windows[a.name] = (lo, self._data[a.name][lo : max(lo, int(ends[j - 1]))])
             for p in range(i, j):
-                if r0 <= starts[p] <= ends[p] <= r1 and t0 <= tok_starts[p] <= tok_ends[p] <= t1:
-                    rs, ts = int(starts[p]) - r0, int(tok_starts[p]) - t0
-                    yield self._make(
-                        p, rows[rs : int(ends[p]) - r0], tokens[ts : int(tok_ends[p]) - t0]
-                    )
-                else:  # out of order: only in a damaged file
-                    yield self.request(p)
+                slices: dict[str, np.ndarray] | None = {}
+                for a in self._arrays:
+                    starts, ends = bounds[a.along]
+                    lo, data = windows[a.name]
+                    s0, s1 = int(starts[p]) - lo, int(ends[p]) - lo
+                    if not 0 <= s0 <= s1 <= len(data):  # out of order: only in a damaged file
+                        slices = None
+                        break
+                    slices[a.name] = data[s0:s1]
+                yield self.request(p) if slices is None else self._make(p, slices)
             i = j
 
-    def _make(self, pos: int, rows: np.ndarray, tokens: np.ndarray) -> TraceRequest:
+    def _make(self, pos: int, slices: dict[str, np.ndarray]) -> TraceRequest:
         rec = self._table[pos]
-        p = int(rec["prompt_len"])
-        return TraceRequest(
-            id=rec["id"],
-            index=int(rec["index"]),
-            position=pos,
-            prompt_token_ids=tokens[:p],
-            output_token_ids=tokens[p:],
-            routed_experts=rows,
-            finish_reason=self._reason_names[int(rec["finish_reason"])],
-            num_cached_tokens=int(rec["num_cached_tokens"]),
-            num_preemptions=int(rec["num_preemptions"]),
-            row_start=int(rec["row_start"]),
-            token_start=int(rec["token_start"]),
-            checksum=int(rec["checksum"]),
-            extra=json.loads(rec["extra"]) if rec["extra"] else {},
-        )
+        fields = self._decoder.fields(rec)
+        for a in self._arrays:
+            fields.update(a.fields(slices[a.name], int(rec["prompt_len"])))
+        return TraceRequest(position=pos, **fields)
 
     def iter_prompt_tokens(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(id, prompt_token_ids)`` of every request, reading token ids only (no rows)."""
@@ -277,8 +289,8 @@ class Trace:
         try:
             for req in self:  # batched reads: one slice per many requests
                 i = req.position
-                tokens = np.concatenate([req.prompt_token_ids, req.output_token_ids])
-                problem = layout[i] or self._data_problem(t[i], req.routed_experts, tokens)
+                data = {a.name: a.values(req) for a in self._arrays}
+                problem = layout[i] or self._data_problem(t[i], data)
                 if problem:
                     found[i] = problem
                 beat()
@@ -317,10 +329,11 @@ class Trace:
             return "offsets point past the end of the data"
         return ""
 
-    def _data_problem(self, rec: np.void, rows: np.ndarray, tokens: np.ndarray) -> str:
-        """What is wrong with a record's data ("" if nothing)."""
-        if request_checksum(rows, tokens) != int(rec["checksum"]):
+    def _data_problem(self, rec: np.void, data: dict[str, np.ndarray]) -> str:
+        """What is wrong with a record's slices of the arrays ("" if nothing)."""
+        if request_checksum(*data.values()) != int(rec["checksum"]):
             return "checksum mismatch"
+        rows = data[ROUTED_EXPERTS]
         if rows.size and int(rows.max()) >= self.num_experts:
             return f"expert id {int(rows.max())} >= num_experts {self.num_experts}"
         return ""
@@ -330,13 +343,11 @@ class Trace:
         problem = self._layout_problem(rec)
         if problem:
             return problem
-        r0, t0 = int(rec["row_start"]), int(rec["token_start"])
         try:
-            rows = self._routed[r0 : r0 + int(rec["num_rows"])]
-            tokens = self._tokens[t0 : t0 + int(rec["prompt_len"]) + int(rec["output_len"])]
+            data = self._read_slices(rec)
         except OSError as exc:
             return f"data unreadable: {exc}"
-        return self._data_problem(rec, rows, tokens)
+        return self._data_problem(rec, data)
 
     # -- lifetime ------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import FIXED_ATTRS, metadata_crc, record_crc
 from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.reader import Trace
-from moetrace.trace.writer import REQUESTS, ROUTED_EXPERTS
+from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS
 
 
 @dataclass

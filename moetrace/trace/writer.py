@@ -31,7 +31,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from moetrace.engine.outputs import FINISH_REASONS, FinishedRequest
 from moetrace.errors import MoetraceError
 from moetrace.trace.diskspace import (
     RESERVE_ENV,
@@ -41,44 +40,29 @@ from moetrace.trace.diskspace import (
     one_line_cause,
     reserve_from_env,
 )
-from moetrace.trace.integrity import (
-    TOKEN_DTYPE,
-    expected_num_rows,
-    metadata_crc,
-    record_crc,
-    request_checksum,
+from moetrace.trace.integrity import expected_num_rows, metadata_crc, record_crc, request_checksum
+from moetrace.trace.metadata import FORMAT_NAME, TraceMetadata
+from moetrace.trace.records import (
+    ARRAYS,
+    FINISH_REASONS,
+    REQUEST_DTYPE,
+    REQUESTS,
+    ROUTED_EXPERTS,
+    ROWS,
+    TOKEN_IDS,
+    TOKENS,
+    FinishedRequest,
+    encode_fields,
+    format_version_for,
+    table_row,
+    written_arrays,
 )
-from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION, TraceMetadata
-
-ROUTED_EXPERTS = "routed_experts"
-TOKEN_IDS = "token_ids"
-REQUESTS = "requests"
 
 TOKEN_CHUNK = 16384  # 64 KiB of int32: a token is 4 bytes where its row is L * k ids
 REQUEST_CHUNK = 1024
 # Oldest on-disk structures that hold our layout: HDF5 >= 1.10 tools can read the
 # file, and a killed run leaves no "file open for write" flag that needs h5clear.
 LIBVER = ("earliest", "v110")
-
-FINISH_REASON_DTYPE = h5py.enum_dtype(
-    {name: code for code, name in enumerate(FINISH_REASONS)}, basetype="u1"
-)
-REQUEST_DTYPE = np.dtype(
-    [
-        ("id", h5py.string_dtype()),
-        ("index", "<i8"),
-        ("prompt_len", "<i4"),
-        ("output_len", "<i4"),
-        ("num_rows", "<i8"),
-        ("row_start", "<i8"),
-        ("token_start", "<i8"),
-        ("finish_reason", FINISH_REASON_DTYPE),
-        ("num_cached_tokens", "<i4"),
-        ("num_preemptions", "<i4"),
-        ("checksum", "<u4"),
-        ("extra", h5py.string_dtype()),
-    ]
-)
 
 
 def _root_attrs(metadata: TraceMetadata) -> dict:
@@ -87,7 +71,7 @@ def _root_attrs(metadata: TraceMetadata) -> dict:
 
     attrs = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version_for(written_arrays(metadata)),
         "model": metadata.model,
         "architecture": metadata.architecture,
         "config_digest": metadata.config_digest,
@@ -235,6 +219,7 @@ class TraceWriter:
         self.keep_requests = keep_requests
         self.expected_requests = expected_requests
         self.reserve_bytes = reserve_from_env() if reserve_bytes is None else reserve_bytes
+        self._arrays = written_arrays(metadata)
         # Built under a temporary name and renamed once its header is on disk, so that a
         # kill at any moment leaves either no trace or one that opens.
         self._creating = self.path.with_name(f".{self.path.name}.{os.getpid()}.creating")
@@ -302,8 +287,7 @@ class TraceWriter:
             raise RuntimeError("TraceWriter is not running (call start() first, not after close())")
         self._raise_thread_error()
         self._check(req)
-        extra = json.dumps(req.extra, sort_keys=True) if req.extra else ""
-        self._queue.put((req, extra))
+        self._queue.put((req, encode_fields(req)))
 
     def close(
         self,
@@ -380,6 +364,18 @@ class TraceWriter:
                 f"{req.prompt_len} prompt + {req.output_len} output tokens "
                 f"(finish_reason {req.finish_reason!r})"
             )
+        for array in self._arrays:
+            if array.required:
+                continue
+            data = array.values(req)
+            length = req.num_rows if array.along == ROWS else req.prompt_len + req.output_len
+            want = (length, *array.shape(md))
+            if data is None or data.shape != want or data.dtype != array.dtype(md):
+                got = "none" if data is None else f"{data.dtype} {data.shape}"
+                raise ValueError(
+                    f"request {req.request_id!r}: {array.name} is {got}, "
+                    f"expected {array.dtype(md)} {want}"
+                )
 
     # -- writer thread -------------------------------------------------------
 
@@ -421,23 +417,18 @@ class TraceWriter:
         f = h5py.File(self._creating, "w", libver=LIBVER)
         try:
             opts = {"compression": "gzip", "compression_opts": 1} if self.compression else {}
-            layout = (md.num_moe_layers, md.top_k)
-            routed = f.create_dataset(
-                ROUTED_EXPERTS,
-                shape=(0, *layout),
-                maxshape=(None, *layout),
-                chunks=(self.chunk_rows, *layout),
-                dtype=md.expert_dtype.newbyteorder("<"),
-                **opts,
-            )
-            tokens = f.create_dataset(
-                TOKEN_IDS,
-                shape=(0,),
-                maxshape=(None,),
-                chunks=(TOKEN_CHUNK,),
-                dtype=TOKEN_DTYPE,
-                **opts,
-            )
+            datasets = {}
+            for array in self._arrays:
+                shape = array.shape(md)
+                chunk = self.chunk_rows if array.along == ROWS else TOKEN_CHUNK
+                datasets[array.name] = f.create_dataset(
+                    array.name,
+                    shape=(0, *shape),
+                    maxshape=(None, *shape),
+                    chunks=(chunk, *shape),
+                    dtype=array.dtype(md),
+                    **opts,
+                )
             self._requests = f.create_dataset(
                 REQUESTS, shape=(0,), maxshape=(None,), chunks=(REQUEST_CHUNK,), dtype=REQUEST_DTYPE
             )
@@ -449,10 +440,17 @@ class TraceWriter:
         except BaseException:
             f.close()
             raise
-        self._rows = _ChunkAppender(routed)
-        self._tokens = _ChunkAppender(tokens)
+        self._appenders = {name: _ChunkAppender(ds) for name, ds in datasets.items()}
         self._pending: list[tuple] = []
         return f
+
+    @property
+    def _rows(self) -> _ChunkAppender:
+        return self._appenders[ROUTED_EXPERTS]
+
+    @property
+    def _tokens(self) -> _ChunkAppender:
+        return self._appenders[TOKEN_IDS]
 
     def _publish(self) -> None:
         """Give the finished header its real name; never replaces a file unless overwriting."""
@@ -475,10 +473,16 @@ class TraceWriter:
         md = self.metadata
         f = h5py.File(self.path, "r+", libver=LIBVER)
         try:
-            missing = [name for name in (ROUTED_EXPERTS, TOKEN_IDS, REQUESTS) if name not in f]
+            names = [a.name for a in self._arrays]
+            missing = [name for name in (*names, REQUESTS) if name not in f]
             if missing:
                 raise MoetraceError(f"it lacks dataset(s) {', '.join(missing)}")
-            routed, tokens, table = f[ROUTED_EXPERTS], f[TOKEN_IDS], f[REQUESTS]
+            unwritten = [a.name for a in ARRAYS if a.name in f and a.name not in names]
+            if unwritten:
+                raise MoetraceError(
+                    f"it holds {', '.join(unwritten)}, which this run does not write"
+                )
+            routed, table = f[ROUTED_EXPERTS], f[REQUESTS]
             layout = (md.num_moe_layers, md.top_k)
             if routed.shape[1:] != layout or routed.dtype != md.expert_dtype:
                 raise MoetraceError(
@@ -510,8 +514,8 @@ class TraceWriter:
             # The table first: a crash in between leaves records that still point at data.
             f.attrs.update(complete=False, end_reason="recording")
             table.resize(n, axis=0)
-            routed.resize(row_end, axis=0)
-            tokens.resize(token_end, axis=0)
+            for array in self._arrays:
+                f[array.name].resize(row_end if array.along == ROWS else token_end, axis=0)
             f.attrs.update(
                 num_requests=n,
                 num_rows=row_end,
@@ -522,8 +526,10 @@ class TraceWriter:
             if self.expected_requests is not None:
                 f.attrs["expected_requests"] = self.expected_requests
             f.flush()
-            self._rows = _ChunkAppender(routed, row_end)
-            self._tokens = _ChunkAppender(tokens, token_end)
+            ends = {ROWS: row_end, TOKENS: token_end}
+            self._appenders = {
+                a.name: _ChunkAppender(f[a.name], ends[a.along]) for a in self._arrays
+            }
         except BaseException:
             f.close()
             raise
@@ -557,27 +563,17 @@ class TraceWriter:
             self._file.attrs["complete"] = True
         self._file.flush()
 
-    def _place(self, req: FinishedRequest, extra: str) -> None:
-        tokens = np.concatenate([req.prompt_token_ids, req.output_token_ids]).astype(
-            TOKEN_DTYPE, copy=False
-        )
-        record = (
-            req.request_id,
-            int(req.index),
-            req.prompt_len,
-            req.output_len,
-            req.num_rows,
-            self._rows.length,
-            self._tokens.length,
-            FINISH_REASONS.index(req.finish_reason),
-            int(req.num_cached_tokens),
-            int(req.num_preemptions),
-            request_checksum(req.routed_experts, tokens),
-            extra,
-        )
-        self._ensure_space(req.routed_experts.nbytes + tokens.nbytes + 256)
-        self._rows.append(req.routed_experts)
-        self._tokens.append(tokens)
+    def _place(self, req: FinishedRequest, encoded: dict) -> None:
+        data = {a.name: a.values(req) for a in self._arrays}
+        placed = {
+            "row_start": self._rows.length,
+            "token_start": self._tokens.length,
+            "checksum": request_checksum(*data.values()),
+        }
+        record = table_row(encoded, placed)
+        self._ensure_space(sum(d.nbytes for d in data.values()) + 256)
+        for name, values in data.items():
+            self._appenders[name].append(values)
         self._pending.append(record)
         self.written_requests += 1
         self.written_rows += req.num_rows
@@ -598,8 +594,8 @@ class TraceWriter:
         """Data first and flushed, then the records that point at it, then flushed again."""
         if not self._pending:
             return
-        self._rows.flush()
-        self._tokens.flush()
+        for appender in self._appenders.values():
+            appender.flush()
         self._file.flush()
         n = self._requests.shape[0]
         self._requests.resize(n + len(self._pending), axis=0)

@@ -1,0 +1,147 @@
+"""The record schema: today's writer writes what the earlier one wrote, and the schema grows.
+
+Growing it is what the next format versions do (gate weights, log-probabilities,
+per-request fields); the last tests add an array and a column the way
+trace/records.py says to, and check what each kind of reader then sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import h5py
+import numpy as np
+import pytest
+from legacy_traces import DATA, LEGACY_TRACES, expected_requests, legacy_metadata_fields
+
+from moetrace import open_trace
+from moetrace.errors import MoetraceError
+from moetrace.trace import reader as reader_module
+from moetrace.trace import records
+from moetrace.trace.metadata import FORMAT_VERSION, TraceMetadata
+from moetrace.trace.records import REQUEST_DTYPE, FinishedRequest, RecordDecoder
+from moetrace.trace.writer import TraceWriter
+
+
+def _write(path, md, reqs, **options):
+    with TraceWriter(path, md, chunk_rows=16, **options) as writer:
+        for req in reqs:
+            writer.submit(req)
+
+
+@pytest.mark.parametrize("name", sorted(LEGACY_TRACES))
+def test_the_writer_still_writes_the_records_of_the_earlier_one(tmp_path, name):
+    compression = LEGACY_TRACES[name][3]
+    md = TraceMetadata(**legacy_metadata_fields(name))
+    path = tmp_path / name
+    _write(
+        path, md, [FinishedRequest(**r) for r in expected_requests(name)], compression=compression
+    )
+    with h5py.File(DATA / name, "r") as old, h5py.File(path, "r") as new:
+        assert new["requests"].dtype == old["requests"].dtype == REQUEST_DTYPE
+        assert new["requests"][:].tolist() == old["requests"][:].tolist()
+        for ds in ("routed_experts", "token_ids"):
+            assert new[ds].dtype == old[ds].dtype
+            np.testing.assert_array_equal(new[ds][:], old[ds][:])
+        for attr in ("format_version", "requests_crc32", "num_rows", "num_tokens"):
+            assert new.attrs[attr] == old.attrs[attr], attr
+
+
+def test_format_version_covers_every_declared_array():
+    assert max(a.since for a in records.ARRAYS) <= FORMAT_VERSION
+    assert [a.name for a in records.ARRAYS if a.required] == ["routed_experts", "token_ids"]
+
+
+def test_a_column_missing_from_a_file_reads_as_its_default_or_is_refused():
+    later = records.Column("num_spec_tokens", np.dtype("<i4"), default=0)
+    columns = (*records.COLUMNS, later)
+    decoder = RecordDecoder(REQUEST_DTYPE, columns)  # a file written before the column
+    with h5py.File(DATA / "trace_v1_uint8.h5", "r") as f:
+        fields = decoder.fields(f["requests"][0])
+    assert fields["num_spec_tokens"] == 0 and fields["request_id"] == "0"
+    assert fields["finish_reason"] == "stop"
+    without_index = np.dtype([(n, REQUEST_DTYPE[n]) for n in REQUEST_DTYPE.names if n != "index"])
+    with pytest.raises(ValueError, match="lacks field.*index"):
+        RecordDecoder(without_index)
+
+
+# -- adding an optional per-row array, as format version 2 would -----------------------
+
+WEIGHTS = records.FlatArray(
+    "routed_weights",
+    records.ROWS,
+    dtype=lambda md: np.dtype("<f2"),
+    shape=lambda md: (md.num_moe_layers, md.top_k),
+    since=2,
+    written=lambda md: md.engine_settings.get("weights", False),
+)
+
+
+@dataclasses.dataclass
+class WeightedRequest(FinishedRequest):
+    routed_weights: np.ndarray | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class WeightedTraceRequest(WeightedRequest, reader_module.TraceRequest):
+    pass
+
+
+@pytest.fixture
+def version_2(monkeypatch):
+    """moetrace as it would be with ``routed_weights`` declared: one FlatArray, one attribute."""
+    monkeypatch.setattr(records, "ARRAYS", (*records.ARRAYS, WEIGHTS))
+    monkeypatch.setattr(reader_module, "ARRAYS", records.ARRAYS)
+    monkeypatch.setattr(reader_module, "TraceRequest", WeightedTraceRequest)
+    monkeypatch.setattr(reader_module, "FORMAT_VERSION", 2)
+
+
+def _weighted(name: str, with_weights: bool):
+    md = TraceMetadata(**legacy_metadata_fields(name))
+    md.engine_settings = {**md.engine_settings, "weights": with_weights}
+    rng = np.random.default_rng(3)
+    reqs = []
+    for r in expected_requests(name):
+        weights = rng.random(r["routed_experts"].shape).astype(np.float16)
+        reqs.append(WeightedRequest(**r, routed_weights=weights if with_weights else None))
+    return md, reqs
+
+
+def test_an_optional_array_round_trips_and_is_checksummed(tmp_path, version_2):
+    md, reqs = _weighted("trace_v1_uint8.h5", with_weights=True)
+    path = tmp_path / "weighted.h5"
+    _write(path, md, reqs)
+    with open_trace(path) as trace:
+        assert trace.metadata["format_version"] == 2
+        for got, want in zip(trace, reqs, strict=True):
+            np.testing.assert_array_equal(got.routed_weights, want.routed_weights)
+            np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+        assert trace.verify() == []
+    with h5py.File(path, "r+") as f:
+        f["routed_weights"][5, 0, 0] += 1  # a weight changed: its request's checksum fails
+    with open_trace(path) as trace:
+        problems = trace.verify()
+    assert len(problems) == 1 and "checksum mismatch" in problems[0]
+
+
+def test_without_the_array_a_trace_stays_version_1(tmp_path, version_2):
+    md, reqs = _weighted("trace_v1_uint8.h5", with_weights=False)
+    path = tmp_path / "plain.h5"
+    _write(path, md, reqs)
+    with h5py.File(path, "r") as new, h5py.File(DATA / "trace_v1_uint8.h5", "r") as old:
+        assert "routed_weights" not in new and new.attrs["format_version"] == 1
+        assert new["requests"][:].tolist() == old["requests"][:].tolist()
+    with open_trace(DATA / "trace_v1_uint8.h5") as trace:
+        assert all(req.routed_weights is None for req in trace)
+        assert trace.verify() == []
+    with pytest.raises(ValueError, match="routed_weights is none"):
+        _write(tmp_path / "mixed.h5", _weighted("trace_v1_uint8.h5", True)[0], reqs)
+
+
+def test_a_reader_that_predates_the_array_refuses_the_file(tmp_path, version_2, monkeypatch):
+    md, reqs = _weighted("trace_v1_uint8.h5", with_weights=True)
+    path = tmp_path / "weighted.h5"
+    _write(path, md, reqs)
+    monkeypatch.setattr(reader_module, "FORMAT_VERSION", 1)
+    with pytest.raises(MoetraceError, match="format version 2 is newer"):
+        open_trace(path)
