@@ -29,7 +29,9 @@ def paged_attention_torch(
     """Causal attention of the packed queries over their sequences' cached keys.
 
     Matches the reference models' eager attention: scores in the model dtype,
-    softmax in float32 (float64 stays float64).
+    softmax in float32 (float64 stays float64).  With sinks (gpt-oss) it rounds
+    as that family's eager attention does: the row max, sink included, is
+    subtracted in the model dtype and the softmax returns the model dtype.
     """
     num_heads = query.shape[1]
     kv_heads, head_dim = k_cache.shape[-2:]
@@ -57,8 +59,9 @@ def paged_attention_torch(
         softmax_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         if sinks is not None:
             sink = sinks.to(scores.dtype)[:, None, None].expand(-1, q_len, 1)
-            probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=softmax_dtype)
-            probs = probs[..., :-1]
+            combined = torch.cat([scores, sink], dim=-1)
+            combined = combined - combined.amax(dim=-1, keepdim=True)
+            probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
         else:
             probs = F.softmax(scores, dim=-1, dtype=softmax_dtype)
         out[q0:q1] = torch.matmul(probs.to(v.dtype), v).transpose(0, 1)

@@ -185,10 +185,14 @@ class MoEExperts(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            b13 = None if self.b13 is None else self.b13[expert]
-            gate, up = F.linear(x[tokens], self.w13[expert], b13).chunk(2, dim=-1)
-            b2 = None if self.b2 is None else self.b2[expert]
-            h = F.linear(self._glu(gate, up), self.w2[expert], b2)
+            # Biases are added after the matmul has rounded, as the reference does.
+            gate_up = F.linear(x[tokens], self.w13[expert])
+            if self.b13 is not None:
+                gate_up = gate_up + self.b13[expert]
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.linear(self._glu(gate, up), self.w2[expert])
+            if self.b2 is not None:
+                h = h + self.b2[expert]
             out.index_add_(0, tokens, h * weight_of[start : start + count, None].to(h.dtype))
             start += count
         return out
