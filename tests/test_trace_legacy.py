@@ -35,6 +35,10 @@ def test_every_request_reads_back_as_written(name):
             np.testing.assert_array_equal(req.output_token_ids, want["output_token_ids"])
             assert req.routed_experts.dtype == want["routed_experts"].dtype
             np.testing.assert_array_equal(req.routed_experts, want["routed_experts"])
+            rows = trace.read_rows(req.row_start, req.row_start + req.num_rows)
+            np.testing.assert_array_equal(rows, want["routed_experts"])
+            tokens = trace.read_tokens(req.token_start, req.token_start + req.prompt_len)
+            np.testing.assert_array_equal(tokens, want["prompt_token_ids"])
         last = expected[-1]
         by_id = trace.request(last["request_id"])
         np.testing.assert_array_equal(by_id.routed_experts, last["routed_experts"])

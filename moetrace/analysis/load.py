@@ -15,12 +15,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-import h5py
 import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import Trace
-from moetrace.trace.records import ROUTED_EXPERTS, TOKEN_IDS
 
 PARTS = ("all", "prompt", "output")
 DEFAULT_CHUNK_ROWS = 16384  # a few MB of rows even for 61 layers x top-8
@@ -181,11 +179,6 @@ def _table(trace: Trace) -> _Table:
     )
 
 
-def trace_dataset(trace: Trace, name: str) -> h5py.Dataset:
-    """An open dataset of the trace: token ids are read by offset, which the reader does not offer."""
-    return trace._file[name]
-
-
 class RowStream:
     """The selected rows of a trace as ``RowBlock``s of at most ``chunk_rows`` rows."""
 
@@ -201,8 +194,6 @@ class RowStream:
         self.selection = selection or Selection()
         self.chunk_rows = chunk_rows
         self._table = _table(trace)
-        self._routed = trace_dataset(trace, ROUTED_EXPERTS)
-        self._tokens = trace_dataset(trace, TOKEN_IDS)
 
     # -- what the selection holds, from the table alone --------------------------------
 
@@ -235,7 +226,7 @@ class RowStream:
         for lo, hi in self._ranges(self.selection.positions):
             carry = None  # a range starts at a request's first row: no previous token
             for start in range(lo, hi, self.chunk_rows):
-                rows = self._routed[start : min(start + self.chunk_rows, hi)]
+                rows = self.trace.read_rows(start, min(start + self.chunk_rows, hi))
                 block, carry = self._block(start, rows, carry)
                 if block is not None:
                     yield block
@@ -273,7 +264,7 @@ class RowStream:
         tokens = np.full(n, -1, dtype=np.int32)
         if valid.any():
             lo, hi = int(token_index[valid].min()), int(token_index[valid].max()) + 1
-            tokens[valid] = self._tokens[lo:hi][token_index[valid] - lo]
+            tokens[valid] = self.trace.read_tokens(lo, hi)[token_index[valid] - lo]
         prev = np.empty_like(rows)
         prev[1:] = rows[:-1]
         if carry is not None:

@@ -256,11 +256,28 @@ class Trace:
                 yield t["id"][p], tokens[s0 : s0 + int(t["prompt_len"][p])]
             i = j
 
+    def read_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of the flat ``routed_experts`` array (numbered as ``row_start``)."""
+        return self._routed[start:stop]
+
+    def read_tokens(self, start: int, stop: int) -> np.ndarray:
+        """Entries ``start:stop`` of the flat ``token_ids`` array (numbered as ``token_start``)."""
+        return self._tokens[start:stop]
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per stored chunk of ``routed_experts``: reads aligned to it touch fewest chunks."""
+        return int(self._routed.chunks[0]) if self._routed.chunks else 1
+
+    @property
+    def compression(self) -> str | None:
+        """The HDF5 filter the rows are compressed with (``"gzip"``), None if stored plain."""
+        return self._routed.compression
+
     def iter_row_chunks(self, chunk_rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """``(row_start, rows)`` over every request row, in slices aligned to the file's chunks."""
         if chunk_rows is None:
-            per = self._routed.chunks[0] if self._routed.chunks else 1
-            chunk_rows = max(1, ITER_ROWS // per) * per
+            chunk_rows = max(1, ITER_ROWS // self.chunk_rows) * self.chunk_rows
         total = self.num_rows
         for start in range(0, total, chunk_rows):
             yield start, self._routed[start : min(start + chunk_rows, total)]
