@@ -26,7 +26,7 @@ import torch
 
 from moetrace import __version__
 from moetrace.config import EngineConfig
-from moetrace.distributed.shards import select_shard, shard_settings
+from moetrace.distributed.sharding import load_model_for_rank
 from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected, request_problem
 from moetrace.engine.sampling import SamplingParams
@@ -34,8 +34,9 @@ from moetrace.errors import CapacityError, InputError, ModelError, MoetraceError
 from moetrace.intake import Intake
 from moetrace.models.demo import model_dir
 from moetrace.models.fingerprint import weights_digest
-from moetrace.models.loader import config_digest, load_model, read_config, resolve_dtype
+from moetrace.models.loader import config_digest, read_config, resolve_dtype
 from moetrace.models.registry import resolve_architecture
+from moetrace.prompt_shards import select_shard, shard_settings
 from moetrace.prompts import STDIN, PromptSpec, iter_prompts
 from moetrace.signals import GracefulStop, Interrupted, StopNow, signal_name
 from moetrace.tokenizer import Tokenizer
@@ -204,7 +205,7 @@ class Recording:
         self.skip_invalid = skip_invalid
         self.flush_interval_s = flush_interval_s
         self.flush_every_requests = flush_every_requests
-        # Data-parallel shard (moetrace/distributed/shards.py) and settings recorded beside the
+        # Data-parallel shard (moetrace/prompt_shards.py) and settings recorded beside the
         # engine's (tensor parallelism, shard): kept in the trace, not compared on --resume.
         self.num_shards = num_shards
         self.extra_settings = dict(extra_settings or {})
@@ -422,7 +423,7 @@ class Recording:
         self, progress: ProgressCallback | None = None, stop: GracefulStop | None = None
     ) -> RecordResult:
         """Record every prompt; ``stop`` (armed once the file is open) ends the run early."""
-        loaded = load_model(
+        loaded = load_model_for_rank(
             self.model_name,
             device=self.device,
             dtype=self.dtype,

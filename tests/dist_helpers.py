@@ -22,17 +22,18 @@ from engine_helpers import shared_prefix_prompts, tiny_qwen3_config
 from safetensors.torch import save_file
 
 from moetrace.config import EngineConfig
-from moetrace.distributed.launch import WorkerSpec, init_group, leave_group, serve_worker
+from moetrace.distributed.sharding import load_model_for_rank
 from moetrace.distributed.state import (
     ParallelConfig,
     ParallelState,
     TensorParallelLayout,
     set_parallel_state,
 )
-from moetrace.distributed.step_sync import end_steps
+from moetrace.engine.launch import WorkerSpec, init_group, leave_group, serve_worker
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
-from moetrace.models.loader import fill_dummy, instantiate, load_model
+from moetrace.engine.step_sync import end_steps
+from moetrace.models.loader import fill_dummy, instantiate
 
 CPU = torch.device("cpu")
 
@@ -133,7 +134,7 @@ def engine_config(scenario: Scenario) -> EngineConfig:
 
 def run_engine(scenario: Scenario, prompts: dict[str, list[int]]) -> dict:
     """Rank 0's (or a single device's) run: {request id: (output tokens, routing rows)}."""
-    loaded = load_model(
+    loaded = load_model_for_rank(
         scenario.model, device=CPU, dtype="float64", load_format=scenario.load_format
     )
     engine = LLMEngine(loaded.model, engine_config(scenario), CPU)
@@ -248,7 +249,7 @@ def router_inputs_and_rows(model_dir: str, device, engine_config: EngineConfig, 
     One request at a time with ``max_tokens=1``: its single step is its prefill,
     so each block sees exactly the prompt's tokens, in order.
     """
-    loaded = load_model(model_dir, device=device, dtype="bfloat16", load_format="dummy")
+    loaded = load_model_for_rank(model_dir, device=device, dtype="bfloat16", load_format="dummy")
     model = loaded.model
     engine = LLMEngine(model, engine_config, device)
     inputs: dict[int, torch.Tensor] = {}

@@ -36,8 +36,8 @@ def expected_ids(num_tokens: int) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, rendezvous: str) -> None:
-    from moetrace.distributed.launch import init_group, leave_group
     from moetrace.distributed.state import ParallelConfig
+    from moetrace.engine.launch import init_group, leave_group
 
     torch.set_num_threads(1)
     state = init_group(

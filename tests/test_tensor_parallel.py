@@ -39,7 +39,7 @@ from moetrace.distributed.guards import (
     check_parallel_config,
     resolve_parallel,
 )
-from moetrace.distributed.sharding import ParamShard, kv_heads_of, shard_target
+from moetrace.distributed.sharding import ParamShard, kv_heads_of, load_model_for_rank, shard_target
 from moetrace.distributed.state import (
     Collectives,
     ParallelConfig,
@@ -214,7 +214,9 @@ def _load_rank(checkpoint: str, rank: int, size: int, load_format: str = "auto",
     )
     set_parallel_state(state)
     try:
-        return load_model(checkpoint, device=CPU, dtype="float64", load_format=load_format).model
+        return load_model_for_rank(
+            checkpoint, device=CPU, dtype="float64", load_format=load_format
+        ).model
     finally:
         set_parallel_state(None)
 

@@ -16,12 +16,10 @@ from pathlib import Path
 
 import h5py
 
-from moetrace.analysis.load import trace_dataset
-from moetrace.distributed.shards import check_shard_set
 from moetrace.errors import MoetraceError
+from moetrace.prompt_shards import check_shard_set
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace
-from moetrace.trace.records import ROUTED_EXPERTS
 from moetrace.trace.writer import TraceWriter
 
 MUST_MATCH = (
@@ -88,7 +86,7 @@ def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> lis
                     "shards of one recording hold disjoint requests"
                 )
             seen[rid] = shard.path
-    # Shards of a --num-shards run: one of each, from the same split (distributed/shards.py).
+    # Shards of a --num-shards run: one of each, from the same split (prompt_shards.py).
     notes += check_shard_set(
         [s.metadata.get("engine_settings") or {} for s in shards], [str(s.path) for s in shards]
     )
@@ -117,11 +115,11 @@ def merge_traces(
         for p in shard_paths:
             shards.append(open_trace(p))
         notes = check_shards(shards, allow_incomplete)
-        first = trace_dataset(shards[0], ROUTED_EXPERTS)
+        first = shards[0]
         writer = TraceWriter(
             out,
-            metadata_of(shards[0]),
-            chunk_rows=first.chunks[0] if first.chunks else 1024,
+            metadata_of(first),
+            chunk_rows=first.chunk_rows,
             compression="gzip" if first.compression == "gzip" else None,
             overwrite=overwrite,
         )

@@ -137,7 +137,7 @@ def record_command(
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
     from moetrace.config import EngineConfig
-    from moetrace.distributed.launch import (
+    from moetrace.engine.launch import (
         TensorParallelDriver,
         is_torchrun_worker,
         parallel_settings,
@@ -145,18 +145,18 @@ def record_command(
         run_torchrun_worker,
         worker_spec,
     )
+    from moetrace.prompt_shards import check_shard_args
     from moetrace.recording import Recording, SamplingDefaults, check_supported
     from moetrace.signals import GracefulStop, Interrupted
     from moetrace.trace.writer import unclosed_traces
 
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
+    check_shard_args(num_shards, shard_index)
     parallel = prepare_parallel(
         model,
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
         sequence_parallel_moe=sequence_parallel_moe,
-        num_shards=num_shards,
-        shard_index=shard_index,
         device=device,
         dtype=dtype,
     )

@@ -39,11 +39,17 @@ from moetrace.distributed.layers import (
     sequence_parallel_block_hooks,
     sequence_parallel_experts_hooks,
 )
-from moetrace.distributed.state import Collectives, SequenceParallelContext, TensorParallelLayout
+from moetrace.distributed.state import (
+    Collectives,
+    SequenceParallelContext,
+    TensorParallelLayout,
+    get_parallel_state,
+)
 from moetrace.errors import ModelError
 from moetrace.layers.attention import PagedAttention
 from moetrace.layers.moe import MoEExperts
 from moetrace.models.base import MoEBlockBase, MoEForCausalLM
+from moetrace.models.loader import LoadedModel, instantiate, load_model
 from moetrace.models.weights import Target, WeightMap
 
 
@@ -323,8 +329,6 @@ def instantiate_sharded(
     sp_context: SequenceParallelContext | None = None,
 ) -> MoEForCausalLM:
     """The family's model for this rank: built on meta, cut down, then allocated."""
-    from moetrace.models.loader import instantiate
-
     with parameters_on_meta():
         model = instantiate(config, source, dtype, device)
     shards = shard_model(model, layout, comm, sp_context)
@@ -335,10 +339,16 @@ def instantiate_sharded(
     return model
 
 
-def fill_full_normal(
-    param: torch.Tensor, shard: ParamShard, std: float, generator: torch.Generator
-) -> None:
-    """Dummy weights equal to a single-device run's: draw the full tensor, keep this rank's part."""
-    full = torch.empty(shard.full_shape, dtype=param.dtype, device=param.device)
-    full.normal_(0.0, std, generator=generator)
-    shard.copy_from_full(param, full)
+def load_model_for_rank(source: str, **options) -> LoadedModel:
+    """``load_model`` for this process: under tensor parallelism only its slice of each weight.
+
+    ``options`` are ``load_model``'s; on one device this is ``load_model`` itself.
+    """
+    state = get_parallel_state()
+    if state is None:
+        return load_model(source, **options)
+
+    def build(config: dict, where: str, dtype: torch.dtype, device: torch.device):
+        return instantiate_sharded(config, where, dtype, device, state.layout, state.comm, state.sp)
+
+    return load_model(source, build=build, **options)

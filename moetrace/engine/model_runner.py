@@ -18,12 +18,12 @@ from moetrace.capture.transfer import RoutingTransfer
 from moetrace.capture.types import RoutedExpertsLists
 from moetrace.config import EngineConfig
 from moetrace.distributed.state import get_parallel_state
-from moetrace.distributed.step_sync import publish_step, share_sampled, wrap_capturer
 from moetrace.engine.cuda_graphs import DecodeGraphs
 from moetrace.engine.sampler import SamplingBatch, sample
 from moetrace.engine.scheduler import SchedulerOutput
 from moetrace.engine.staging import StagingRing
 from moetrace.engine.step_plan import StepPlan, build_plan
+from moetrace.engine.step_sync import publish_step, share_sampled, wrap_capturer
 from moetrace.forward_context import AttentionMetadata, forward_context
 from moetrace.models.base import MoEForCausalLM
 

@@ -14,10 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from moetrace.models.loader import LoadedModel
-
 DEMO_NAME = "demo"
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 # The shipped config.json, for callers that need the demo's shape without loading it.
@@ -27,19 +23,3 @@ DEMO_CONFIG: dict = json.loads((DEMO_DIR / "config.json").read_text(encoding="ut
 def model_dir(model: str) -> Path:
     """The checkpoint directory a MODEL argument names (``demo`` is the shipped one)."""
     return DEMO_DIR if model == DEMO_NAME else Path(model).expanduser()
-
-
-def load_demo(
-    *,
-    device: torch.device,
-    dtype: str = "auto",
-    load_format: str = "auto",
-    seed: int = 0,
-) -> LoadedModel:
-    from moetrace.models.loader import load_model
-
-    loaded = load_model(
-        str(DEMO_DIR), device=device, dtype=dtype, load_format=load_format, seed=seed
-    )
-    loaded.source = DEMO_NAME
-    return loaded

@@ -4,21 +4,26 @@ MODEL is a Hugging Face checkpoint directory (``config.json`` plus one or
 many ``*.safetensors``, with an index when sharded) or the built-in ``demo``.
 The model is built directly on the target device in the target dtype, so a
 large checkpoint is never materialised twice.
+
+The loader knows one device.  Tensor parallelism passes its own ``build``
+(distributed/sharding.py: built on meta, cut to this rank's slices); the
+loader then reads only those slices, through the model's ``WeightMap``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from moetrace.distributed.state import get_parallel_state
 from moetrace.errors import ModelError
 from moetrace.models.base import MoEForCausalLM
+from moetrace.models.demo import model_dir
 from moetrace.models.registry import build_model, resolve_architecture
 from moetrace.models.weights import WeightMap
 
@@ -29,6 +34,9 @@ DTYPES = {
     "float64": torch.float64,
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+# (config, source for messages, dtype, device) -> the family's model, parameters allocated.
+Builder = Callable[[dict, str, torch.dtype, torch.device], MoEForCausalLM]
 
 
 @dataclass
@@ -156,10 +164,10 @@ def fill_dummy(model: MoEForCausalLM, seed: int, std: float = 0.02) -> None:
                     param.fill_(1.0)
                 else:
                     param.zero_()
-            elif name in shards:
-                from moetrace.distributed.sharding import fill_full_normal
-
-                fill_full_normal(param, shards[name], std, gen)
+            elif name in shards:  # this rank's slice: draw the whole tensor, keep the slice
+                full = torch.empty(shards[name].full_shape, dtype=param.dtype, device=device)
+                full.normal_(0.0, std, generator=gen)
+                shards[name].copy_from_full(param, full)
             else:
                 param.normal_(0.0, std, generator=gen)
 
@@ -175,26 +183,16 @@ def load_model(
     dtype: str = "auto",
     load_format: str = "auto",
     seed: int = 0,
+    build: Builder | None = None,
 ) -> LoadedModel:
+    """Load MODEL (a checkpoint directory or ``demo``); ``build`` defaults to ``instantiate``."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(f"unknown load format {load_format!r}; choose {', '.join(LOAD_FORMATS)}")
-    if source == "demo":
-        from moetrace.models.demo import load_demo
-
-        return load_demo(device=device, dtype=dtype, load_format=load_format, seed=seed)
-    path = Path(source).expanduser()
+    path = model_dir(source)
     config = read_config(path)
     resolve_architecture(config, str(path))
     torch_dtype = resolve_dtype(dtype, config, device)
-    parallel = get_parallel_state()
-    if parallel is None:
-        model = instantiate(config, str(path), torch_dtype, device)
-    else:  # tensor parallel: only this rank's slice of each weight is allocated and read
-        from moetrace.distributed.sharding import instantiate_sharded
-
-        model = instantiate_sharded(
-            config, str(path), torch_dtype, device, parallel.layout, parallel.comm, parallel.sp
-        )
+    model = (build or instantiate)(config, str(path), torch_dtype, device)
     if load_format == "dummy":
         fill_dummy(model, seed)
     else:

@@ -18,8 +18,8 @@ from moetrace import open_trace
 from moetrace.analysis.merge import merge_traces
 from moetrace.cli.app import app
 from moetrace.config import EngineConfig
-from moetrace.distributed.shards import ShardedPrompts, check_shard_set, in_shard
 from moetrace.errors import MoetraceError
+from moetrace.prompt_shards import ShardedPrompts, check_shard_set, in_shard
 from moetrace.prompts import iter_prompts
 from moetrace.recording import Recording, SamplingDefaults
 

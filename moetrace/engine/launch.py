@@ -110,15 +110,15 @@ def leave_group() -> None:
 # ------------------------------------------------------------------ workers
 def serve_worker(state: ParallelState) -> int:
     """Wait for rank 0's spec, load this rank's slice, run steps until told to stop."""
-    from moetrace.distributed.step_sync import serve_steps
+    from moetrace.distributed.sharding import load_model_for_rank
     from moetrace.engine.cpu_threads import configure_cpu_threads
     from moetrace.engine.llm_engine import LLMEngine
-    from moetrace.models.loader import load_model
+    from moetrace.engine.step_sync import serve_steps
 
     spec = state.comm.broadcast_object()
     if spec is None:  # rank 0 stopped before loading (bad input, existing output, ...)
         return 0
-    loaded = load_model(
+    loaded = load_model_for_rank(
         spec.model,
         device=state.device,
         dtype=spec.dtype,
@@ -256,7 +256,7 @@ class TensorParallelDriver:
         try:
             if self.state is not None:
                 if exc_type is None and self.started:
-                    from moetrace.distributed.step_sync import end_steps
+                    from moetrace.engine.step_sync import end_steps
 
                     end_steps(self.state)
                 elif not self.started:
@@ -283,8 +283,6 @@ def prepare_parallel(
     tensor_parallel_size: int | None,
     enable_expert_parallel: bool,
     sequence_parallel_moe: bool,
-    num_shards: int,
-    shard_index: int,
     device: str,
     dtype: str,
 ) -> ParallelConfig:
@@ -294,12 +292,10 @@ def prepare_parallel(
         check_model_shardable,
         resolve_parallel,
     )
-    from moetrace.distributed.shards import check_shard_args
     from moetrace.models.demo import model_dir
     from moetrace.models.loader import read_config
 
     parallel = resolve_parallel(tensor_parallel_size, enable_expert_parallel, sequence_parallel_moe)
-    check_shard_args(num_shards, shard_index)
     if parallel.enabled:
         check_model_shardable(read_config(model_dir(model)), parallel)
         check_devices(parallel, device, dtype, torchrun=under_torchrun())
