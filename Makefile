@@ -30,6 +30,7 @@ demo: install
 test: install
 	$(BIN)/ruff check moetrace tests benchmarks tools
 	$(BIN)/ruff format --check moetrace tests benchmarks tools
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
 
 format: install
@@ -37,4 +38,4 @@ format: install
 	$(BIN)/ruff format moetrace tests benchmarks tools
 
 clean:
-	rm -rf $(VENV) demo-trace.h5 .pytest_cache .ruff_cache
+	rm -rf $(VENV) demo-trace.h5 .pytest_cache .ruff_cache .import_linter_cache .grimp_cache

@@ -13,21 +13,32 @@ message ends the workers' loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from moetrace.capture.capturer import RoutingCapturer
 from moetrace.distributed.sequence_parallel import SequenceParallelCapturer
 from moetrace.distributed.state import ParallelState
+from moetrace.engine.staging import StagingRing
 from moetrace.engine.step_plan import StepPlan
-from moetrace.forward_context import forward_context
-
-if TYPE_CHECKING:
-    from moetrace.engine.model_runner import ModelRunner
+from moetrace.forward_context import AttentionMetadata, forward_context
 
 FillIndex = tuple[np.ndarray, np.ndarray]  # (token positions in the step, rows of previous samples)
+
+
+class StepRunner(Protocol):
+    """What a worker's step uses of its ``ModelRunner``: the model and the input staging."""
+
+    model: nn.Module
+    device: torch.device
+    fill_staging: StagingRing
+
+    def staged_inputs(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]: ...
 
 
 @dataclass
@@ -70,7 +81,7 @@ def wrap_capturer(capturer: RoutingCapturer | None, state: ParallelState) -> Rou
 
 @torch.inference_mode()
 def run_worker_step(
-    runner: ModelRunner,
+    runner: StepRunner,
     state: ParallelState,
     message: StepMessage,
     previous_sampled: torch.Tensor | None,
@@ -93,7 +104,7 @@ def run_worker_step(
     return state.comm.broadcast_(sampled)
 
 
-def serve_steps(runner: ModelRunner, state: ParallelState) -> int:
+def serve_steps(runner: StepRunner, state: ParallelState) -> int:
     """A worker's loop: run each step rank 0 sends until it sends ``None``; returns the count."""
     previous: torch.Tensor | None = None
     steps = 0
