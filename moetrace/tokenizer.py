@@ -22,6 +22,7 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
 
 from moetrace.errors import ModelError
 
@@ -110,6 +111,41 @@ def render_chat_template(
         raise ModelError(
             f"{origin}: chat template failed: {type(e).__name__}: {e}".splitlines()[0]
         ) from None
+
+
+# --- streaming decode ---------------------------------------------------------------
+
+# Enough prompt tokens to prime a streaming decoder past any partial character.
+PRIME_MIN_TOKENS = 4
+PRIME_MAX_TOKENS = 24
+
+
+def prime_tokens(prompt_token_ids: Sequence[int], decode: Any) -> list[int]:
+    """The end of the prompt to prime a streaming decoder with.
+
+    The first output token decodes differently without its left context (a
+    leading space, a character split over tokens).  Like vLLM: the shortest
+    tail of at least ``PRIME_MIN_TOKENS`` tokens that decodes to whole
+    characters (no U+FFFD), searched up to ``PRIME_MAX_TOKENS - 1``; the whole
+    prompt when it is that short or no such tail exists.
+    """
+    ids = list(prompt_token_ids)
+    if len(ids) <= PRIME_MIN_TOKENS:
+        return ids
+    for n in range(PRIME_MIN_TOKENS, min(len(ids), PRIME_MAX_TOKENS - 1) + 1):
+        if "\ufffd" not in decode(ids[-n:]):
+            return ids[-n:]
+    return ids
+
+
+def decode_stream(
+    tok: tokenizers.Tokenizer, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool
+) -> Any:
+    """A function giving the text each next output token adds (``""`` mid-character)."""
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    for token_id in prime_tokens(prompt_token_ids, tok.decode):
+        stream.step(tok, token_id)
+    return lambda token_id: stream.step(tok, token_id) or ""
 
 
 # --- Hugging Face checkpoints -------------------------------------------------------
@@ -260,6 +296,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(
+        self, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = True
+    ) -> Any:
+        """Decode output tokens one at a time, after the prompt (stop strings)."""
+        return decode_stream(self._tok, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+
     def render_chat_template(self, messages: list[dict], **variables: Any) -> str:
         """The prompt text the chat template makes of ``messages``."""
         if self.chat_template is None:
@@ -387,6 +429,13 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict], **variables: Any) -> list[int]:
         return self.encode(self.render_chat_template(messages, **variables))
+
+    def decode_stream(
+        self, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = True
+    ) -> Any:
+        return decode_stream(
+            self.to_tokenizers(), prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
 
     def to_tokenizers(self) -> tokenizers.Tokenizer:
         """The same tokenizer as a ``tokenizers.Tokenizer``.

@@ -73,6 +73,9 @@ class FakeStep:
     def finish(self) -> dict[str, int]:
         return self.sampled
 
+    def logprobs(self) -> dict:
+        return {}
+
 
 class CausalFake:
     """Stands in for ``ModelRunner``: each token's row and the next token follow from its slot.

@@ -13,13 +13,14 @@ from moetrace.config import EngineConfig
 from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
 from moetrace.engine.model_runner import LaunchedStep, ModelRunner
-from moetrace.engine.request import Request, RequestStatus
+from moetrace.engine.request import Request, RequestStatus, TokenLogprob
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.scheduler import Scheduler
+from moetrace.engine.stop_strings import StopStringMatcher, StreamingDecoder
 from moetrace.errors import CapacityError, MoetraceError
 from moetrace.models.base import MoEForCausalLM
 from moetrace.trace.metadata import expert_id_dtype
-from moetrace.trace.records import FinishedRequest
+from moetrace.trace.records import FinishedRequest, OutputLogprobs
 
 
 class RequestRejected(MoetraceError):
@@ -71,12 +72,15 @@ class LLMEngine:
         device: torch.device,
         *,
         eos_token_ids: tuple[int, ...] = (),
+        tokenizer: StreamingDecoder | None = None,
     ) -> None:
+        """``tokenizer`` detokenizes outputs for stop strings (refused without one)."""
         config.validate()
         self.model = model
         self.config = config
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         num_blocks = config.num_kv_blocks or plan_num_blocks(
             model, config, device, self.max_model_len
@@ -109,6 +113,7 @@ class LLMEngine:
         self.runner.capture_graphs()
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
+        self._samples: dict[str, list[str]] = {}  # prompt id -> its unfinished samples' ids
         self.async_scheduling = (
             device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         )
@@ -139,14 +144,50 @@ class LLMEngine:
         *,
         index: int = 0,
     ) -> None:
-        if request_id in self._requests:
+        """Queue a prompt; ``sampling.n`` > 1 queues that many samples of it (ids ``"i_<id>"``)."""
+        if request_id in self._samples:
             raise RequestRejected("id", f"duplicate request id {request_id!r}")
         self.check_request(prompt_token_ids, sampling)
-        request = Request(
-            request_id, prompt_token_ids, sampling, index=index, eos_token_ids=self.eos_token_ids
+        if sampling.stop and self.tokenizer is None:
+            raise RequestRejected(
+                "stop", "stop strings need the model's tokenizer (tokenizer.json)"
+            )
+        n = sampling.n
+        # vLLM's names for the samples of one prompt; a clash with another id is refused.
+        ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        clash = next((i for i in ids if i in self._requests), None)
+        if clash is not None:
+            raise RequestRejected("id", f"duplicate request id {clash!r}")
+        for i, engine_id in enumerate(ids):
+            params = sampling.for_sample(i) if n > 1 else sampling
+            request = Request(
+                engine_id,
+                prompt_token_ids,
+                params,
+                index=index,
+                eos_token_ids=self.eos_token_ids,
+                sample_index=i,
+                parent_id=request_id,
+                stop_strings=self._stop_strings(prompt_token_ids, params),
+            )
+            self._requests[engine_id] = request
+            self.scheduler.add(request)
+        self._samples[request_id] = ids
+
+    def _stop_strings(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> StopStringMatcher | None:
+        if not params.stop or self.tokenizer is None:
+            return None
+        decode_next = self.tokenizer.decode_stream(
+            prompt_token_ids, skip_special_tokens=params.skip_special_tokens
         )
-        self._requests[request_id] = request
-        self.scheduler.add(request)
+        return StopStringMatcher(
+            decode_next,
+            params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -156,8 +197,10 @@ class LLMEngine:
         return len(self._requests)
 
     def abort(self, request_ids: Iterable[str]) -> list[FinishedRequest]:
+        """Stop these prompts (every sample of each) now; what they computed is kept."""
         finished = self._drain()
-        aborted = self.scheduler.abort(set(request_ids))
+        engine_ids = {i for rid in request_ids for i in self._samples.get(rid, [rid])}
+        aborted = self.scheduler.abort(engine_ids)
         return finished + [self._finish(r) for r in aborted]
 
     # --------------------------------------------------------------- stepping
@@ -170,7 +213,7 @@ class LLMEngine:
         sampled = step.finish()
         if step.routing is not None and self.routing_manager is not None:
             self.routing_manager.store_batch(step.routing)
-        finished = self.scheduler.update(step.output, sampled)
+        finished = self.scheduler.update(step.output, sampled, step.logprobs())
         self.stats.steps += 1
         self.stats.output_tokens = self.scheduler.tokens_appended
         return [self._finish(r) for r in finished]
@@ -204,6 +247,11 @@ class LLMEngine:
 
     def _finish(self, request: Request) -> FinishedRequest:
         self._requests.pop(request.request_id, None)
+        samples = self._samples.get(request.parent_id)
+        if samples is not None and request.request_id in samples:
+            samples.remove(request.request_id)
+            if not samples:
+                del self._samples[request.parent_id]
         L, k = len(self.model.moe_layer_indices), self.model.top_k
         if self.routing_cache is None:
             rows = np.zeros((0, L, k), dtype=expert_id_dtype(self.model.num_experts))
@@ -212,7 +260,7 @@ class LLMEngine:
         else:
             rows = self.routing_cache.take(request, request.num_tokens - 1)
         return FinishedRequest(
-            request_id=request.request_id,
+            request_id=request.parent_id,
             index=request.index,
             prompt_token_ids=np.asarray(
                 request.token_ids[: request.num_prompt_tokens], dtype=np.int32
@@ -222,9 +270,29 @@ class LLMEngine:
             finish_reason=request.status.value,
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_preemptions=request.num_preemptions,
+            sample_index=request.sample_index,
+            stop_reason=request.stop_reason,
+            output_text=request.output_text,
+            logprobs=_output_logprobs(request),
         )
 
     def run(self) -> Iterator[FinishedRequest]:
         """Step until every added request has finished, yielding each as it ends."""
         while self.has_unfinished():
             yield from self.step()
+
+
+def _output_logprobs(request: Request) -> OutputLogprobs | None:
+    """The request's per-token log-probabilities as arrays, when it asked for them."""
+    num = request.sampling.logprobs
+    if num is None:
+        return None
+    kept: list[TokenLogprob] = request.logprobs[: request.num_output_tokens]
+    return OutputLogprobs(
+        token_logprob=np.asarray([t.logprob for t in kept], dtype=np.float32),
+        token_rank=np.asarray([t.rank for t in kept], dtype=np.int64),
+        top_ids=np.asarray([t.top_ids[:num] for t in kept], dtype=np.int32).reshape(-1, num),
+        top_logprobs=np.asarray([t.top_logprobs[:num] for t in kept], dtype=np.float32).reshape(
+            -1, num
+        ),
+    )

@@ -19,7 +19,9 @@ from moetrace.capture.types import RoutedExpertsLists
 from moetrace.config import EngineConfig
 from moetrace.distributed.state import get_parallel_state
 from moetrace.engine.cuda_graphs import DecodeGraphs
-from moetrace.engine.sampler import SamplingBatch, sample
+from moetrace.engine.request import TokenLogprob
+from moetrace.engine.sampler import Logprobs, SamplingBatch, sample, token_logprobs
+from moetrace.engine.sampling_inputs import SamplingInputs
 from moetrace.engine.scheduler import SchedulerOutput
 from moetrace.engine.staging import StagingRing
 from moetrace.engine.step_plan import StepPlan, build_plan
@@ -38,6 +40,7 @@ class LaunchedStep:
     sampled_device: torch.Tensor | None  # int64 [S], rows in plan.sampling_requests order
     sampled_host: torch.Tensor | None
     done: torch.cuda.Event | None
+    logprobs_host: list[torch.Tensor] | None = None  # Logprobs.tensors(), on the host
 
     def finish(self) -> dict[str, int]:
         if self.sampled_host is None:
@@ -47,10 +50,16 @@ class LaunchedStep:
         ids = [r.request_id for r in self.plan.sampling_requests]
         return dict(zip(ids, self.sampled_host.tolist(), strict=True))
 
-
-def request_seed(global_seed: int, index: int) -> int:
-    """Seed of a request that gave none: fixed by the run seed and its input position."""
-    return (global_seed * 1_000_003 + index * 7919 + 17) & 0x7FFFFFFFFFFFFFFF
+    def logprobs(self) -> dict[str, TokenLogprob]:
+        """The sampled tokens' log-probabilities, for the requests that asked (after finish)."""
+        if self.logprobs_host is None:
+            return {}
+        lp, rank, top_ids, top_lp = (t.numpy() for t in self.logprobs_host)
+        return {
+            r.request_id: TokenLogprob(float(lp[i]), int(rank[i]), top_ids[i], top_lp[i])
+            for i, r in enumerate(self.plan.sampling_requests)
+            if r.sampling.logprobs is not None
+        }
 
 
 class ModelRunner:
@@ -78,6 +87,7 @@ class ModelRunner:
         self._allocate_kv_cache(num_blocks + 1)
         self.staging = StagingRing(4 * config.max_num_batched_tokens, device)
         self.fill_staging = StagingRing(2 * config.max_num_seqs, device)
+        self.sampling_inputs = SamplingInputs(model.vocab_size, device, config.seed)
         num_moe = len(model.moe_layer_indices)
         self.capturer: RoutingCapturer | None = None
         self.transfer: RoutingTransfer | None = None
@@ -179,18 +189,26 @@ class ModelRunner:
                 self.capturer.tensors(plan.num_tokens), plan.slots, slot_epochs
             )
         sampled_device = sampled_host = done = None
+        logprobs_host = None
         if plan.sampling_requests:
-            sampled_device = sample(logits, self._sampling_batch(plan))
+            batch = self._sampling_batch(plan)
+            sampled_device = sample(logits, batch)
+            logprobs = None
+            if batch.num_logprobs is not None:
+                logprobs = token_logprobs(logits, sampled_device, batch.num_logprobs)
             if self.parallel is not None:  # workers fill their next step's tokens from these
                 share_sampled(self.parallel, sampled_device)
             if self.device.type == "cuda":
-                sampled_host = torch.empty(sampled_device.shape, dtype=torch.int64, pin_memory=True)
-                sampled_host.copy_(sampled_device, non_blocking=True)
+                sampled_host = _to_pinned(sampled_device)
+                logprobs_host = None if logprobs is None else _pinned_logprobs(logprobs)
                 done = torch.cuda.Event()
                 done.record()
             else:
                 sampled_host = sampled_device
-        return LaunchedStep(output, plan, routing, sampled_device, sampled_host, done)
+                logprobs_host = None if logprobs is None else logprobs.tensors()
+        return LaunchedStep(
+            output, plan, routing, sampled_device, sampled_host, done, logprobs_host
+        )
 
     def _fill_index(
         self, plan: StepPlan, previous: LaunchedStep | None
@@ -257,29 +275,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def _sampling_batch(self, plan: StepPlan) -> SamplingBatch:
-        dev = self.device
-        requests = plan.sampling_requests
-        params = [r.sampling for r in requests]
-        seeds = [
-            p.seed if p.seed is not None else request_seed(self.config.seed, r.index)
-            for p, r in zip(params, requests, strict=True)
-        ]
-        all_greedy = all(p.greedy for p in params)
-        if all_greedy:
-            empty_f = torch.zeros(len(params), device=dev)
-            empty_i = torch.zeros(len(params), dtype=torch.int64, device=dev)
-            return SamplingBatch(empty_f, empty_i, empty_f, empty_i, empty_i, True, False, False)
-        return SamplingBatch(
-            temperature=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=dev
-            ),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-            positions=torch.tensor(
-                [r.num_scheduled_tokens - 1 for r in requests], dtype=torch.int64, device=dev
-            ),
-            all_greedy=False,
-            any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
-            any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
-        )
+        return self.sampling_inputs.build(plan.sampling_requests)
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy to pinned host memory; read it after the step's event."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _pinned_logprobs(logprobs: Logprobs) -> list[torch.Tensor]:
+    return [_to_pinned(t) for t in logprobs.tensors()]

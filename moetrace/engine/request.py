@@ -9,8 +9,12 @@ which rows exist) follows from that count and ``num_tokens``.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+
+import numpy as np
 
 from moetrace.engine.sampling import SamplingParams
+from moetrace.engine.stop_strings import StopStringMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -30,8 +34,22 @@ class RequestStatus(enum.Enum):
         )
 
 
+@dataclass
+class TokenLogprob:
+    """One sampled token's log-probabilities (host side), as the sampler computed them."""
+
+    logprob: float
+    rank: int
+    top_ids: np.ndarray  # int64 [N], most likely first
+    top_logprobs: np.ndarray  # float32 [N]
+
+
 class Request:
-    """One prompt moving through the engine."""
+    """One prompt moving through the engine (one sample of it, when ``n`` > 1).
+
+    ``request_id`` is unique in the engine; a sample of a prompt sampled ``n``
+    times also knows the prompt's id (``parent_id``) and its ``sample_index``.
+    """
 
     def __init__(
         self,
@@ -41,12 +59,21 @@ class Request:
         *,
         index: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        sample_index: int = 0,
+        parent_id: str | None = None,
+        stop_strings: StopStringMatcher | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
+        self.parent_id = request_id if parent_id is None else parent_id
+        self.sample_index = sample_index
         self.index = index
         self.sampling = sampling
+        self.stop_strings = stop_strings
+        # vLLM's stop_reason: the stop token id (not EOS) or stop string that ended it.
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[TokenLogprob] = []
         self.eos_token_ids = () if sampling.ignore_eos else tuple(eos_token_ids)
         self.stop_token_ids = frozenset(sampling.stop_token_ids) | frozenset(self.eos_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -87,18 +114,41 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
 
     def check_stop(self) -> bool:
-        """Mark the request finished if its last token ends it."""
-        if self.num_output_tokens == 0:
+        """Mark the request finished if its last token ends it (vLLM's rules and order).
+
+        Before ``min_tokens`` output tokens nothing but the length ends it;
+        then a stop token (EOS or ``stop_token_ids``), a stop string completed
+        by this token, and ``max_tokens``, in that order.
+        """
+        n = self.num_output_tokens
+        if n == 0:
             return False
-        if self.token_ids[-1] in self.stop_token_ids:
+        last = self.token_ids[-1]
+        stop_token = n >= self.sampling.min_tokens and last in self.stop_token_ids
+        matched = None
+        if self.stop_strings is not None:
+            matched = self.stop_strings.update(last, ends_request=stop_token)
+        if stop_token:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif self.num_output_tokens >= self.sampling.max_tokens:
+            if last not in self.eos_token_ids:
+                self.stop_reason = last
+        elif matched is not None:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = matched
+        elif n >= self.sampling.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
         return self.is_finished
+
+    @property
+    def output_text(self) -> str | None:
+        """The detokenized output, cut at a stop string (only kept with stop strings)."""
+        return None if self.stop_strings is None else self.stop_strings.text
 
     def __repr__(self) -> str:
         return (

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moetrace.engine.block_manager import BlockManager
-from moetrace.engine.request import Request, RequestStatus
+from moetrace.engine.request import Request, RequestStatus, TokenLogprob
 
 
 @dataclass
@@ -154,11 +154,17 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ----------------------------------------------------------------- update
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprob] | None = None,
+    ) -> list[Request]:
         """Fill in the tokens a finished step sampled; return the requests that ended.
 
         A request that ended at an earlier step may still appear here (the step
         was scheduled before its end was known); its token is dropped.
+        ``logprobs`` holds the sampled tokens' log-probabilities, by request id.
         """
         finished: list[Request] = []
         for item in output.scheduled:
@@ -168,7 +174,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             if item.samples:
-                request.append_token(sampled[request.request_id])
+                rid = request.request_id
+                request.append_token(sampled[rid], logprobs.get(rid) if logprobs else None)
                 self.tokens_appended += 1
             known = min(request.num_computed_tokens, request.num_tokens)
             self.block_manager.register_computed_blocks(request, known)

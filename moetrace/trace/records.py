@@ -44,6 +44,20 @@ STRING = h5py.string_dtype()
 
 
 @dataclass
+class OutputLogprobs:
+    """Per output token: the sampled token's log-probability and rank, and the top N.
+
+    What vLLM returns for ``logprobs=N``, from the model's raw distribution
+    (before penalties and temperature); rank 1 is the most likely token.
+    """
+
+    token_logprob: np.ndarray  # float32 (output_len,)
+    token_rank: np.ndarray  # int64 (output_len,)
+    top_ids: np.ndarray  # int32 (output_len, N)
+    top_logprobs: np.ndarray  # float32 (output_len, N)
+
+
+@dataclass
 class FinishedRequest:
     """One ended request: its tokens and one routing row per token run through the model.
 
@@ -64,6 +78,11 @@ class FinishedRequest:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)  # JSON-able, free-form
+    sample_index: int = 0  # which of the prompt's n samples (0 unless n > 1)
+    # Handed out by the engine, not stored in the trace:
+    stop_reason: int | str | None = None  # vLLM's: the stop token id (not EOS) or stop string
+    output_text: str | None = None  # detokenized output cut at a stop string (with stop strings)
+    logprobs: OutputLogprobs | None = None  # with SamplingParams.logprobs
 
     @property
     def prompt_len(self) -> int:
@@ -132,6 +151,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("num_preemptions", np.dtype("<i4"), to_table=int, from_table=int),
     Column("checksum", np.dtype("<u4"), PLACED),
     Column("extra", STRING, to_table=_extra_to_table, from_table=_extra_from_table),
+    # Several samples of one prompt (n > 1) share its id and differ here; 0 before it existed.
+    Column("sample_index", np.dtype("<i4"), to_table=int, from_table=int, default=0),
 )
 REQUEST_DTYPE = np.dtype([(c.name, c.dtype) for c in COLUMNS])
 
