@@ -312,6 +312,12 @@ def test_n_samples_are_samples_with_seed_plus_index(demo):
         assert samples[("p", i)].output_token_ids.tolist() == alone.output_token_ids.tolist()
         outputs.append(tuple(alone.output_token_ids.tolist()))
     assert len(set(outputs)) == 3
+    # A resumed run asks for the missing samples only; they are the same samples.
+    model, tok = demo
+    eng = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=16), CPU, tokenizer=tok)
+    eng.add_request("p", prompt, params, samples=[2])
+    (only,) = list(eng.run())
+    assert only.sample_index == 2 and tuple(only.output_token_ids.tolist()) == outputs[2]
 
 
 def test_n_without_seed_samples_differ_and_abort_takes_every_sample(demo):

@@ -18,6 +18,7 @@ from moetrace import open_trace
 from moetrace.errors import MoetraceError
 from moetrace.trace import reader as reader_module
 from moetrace.trace import records
+from moetrace.trace.integrity import record_crc
 from moetrace.trace.metadata import FORMAT_VERSION, TraceMetadata
 from moetrace.trace.records import REQUEST_DTYPE, FinishedRequest, RecordDecoder
 from moetrace.trace.writer import TraceWriter
@@ -38,13 +39,19 @@ def test_the_writer_still_writes_the_records_of_the_earlier_one(tmp_path, name):
         path, md, [FinishedRequest(**r) for r in expected_requests(name)], compression=compression
     )
     with h5py.File(DATA / name, "r") as old, h5py.File(path, "r") as new:
-        assert new["requests"].dtype == old["requests"].dtype == REQUEST_DTYPE
-        assert new["requests"][:].tolist() == old["requests"][:].tolist()
+        assert new["requests"].dtype == REQUEST_DTYPE
+        # Columns added since (at the end) hold their defaults; the earlier ones are as written.
+        old_names = old["requests"].dtype.names
+        assert REQUEST_DTYPE.names[: len(old_names)] == old_names
+        assert new["requests"].fields(list(old_names))[:].tolist() == old["requests"][:].tolist()
+        for column in records.COLUMNS[len(old_names) :]:
+            assert (new["requests"][column.name] == column.default).all()
         for ds in ("routed_experts", "token_ids"):
             assert new[ds].dtype == old[ds].dtype
             np.testing.assert_array_equal(new[ds][:], old[ds][:])
-        for attr in ("format_version", "requests_crc32", "num_rows", "num_tokens"):
+        for attr in ("format_version", "num_rows", "num_tokens"):
             assert new.attrs[attr] == old.attrs[attr], attr
+        assert new.attrs["requests_crc32"] == record_crc(new["requests"][:])
 
 
 def test_format_version_covers_every_declared_array():
@@ -55,10 +62,11 @@ def test_format_version_covers_every_declared_array():
 def test_a_column_missing_from_a_file_reads_as_its_default_or_is_refused():
     later = records.Column("num_spec_tokens", np.dtype("<i4"), default=0)
     columns = (*records.COLUMNS, later)
-    decoder = RecordDecoder(REQUEST_DTYPE, columns)  # a file written before the column
-    with h5py.File(DATA / "trace_v1_uint8.h5", "r") as f:
+    with h5py.File(DATA / "trace_v1_uint8.h5", "r") as f:  # written before both columns
+        decoder = RecordDecoder(f["requests"].dtype, columns)
         fields = decoder.fields(f["requests"][0])
     assert fields["num_spec_tokens"] == 0 and fields["request_id"] == "0"
+    assert fields["sample_index"] == 0
     assert fields["finish_reason"] == "stop"
     without_index = np.dtype([(n, REQUEST_DTYPE[n]) for n in REQUEST_DTYPE.names if n != "index"])
     with pytest.raises(ValueError, match="lacks field.*index"):
@@ -130,7 +138,8 @@ def test_without_the_array_a_trace_stays_version_1(tmp_path, version_2):
     _write(path, md, reqs)
     with h5py.File(path, "r") as new, h5py.File(DATA / "trace_v1_uint8.h5", "r") as old:
         assert "routed_weights" not in new and new.attrs["format_version"] == 1
-        assert new["requests"][:].tolist() == old["requests"][:].tolist()
+        names = list(old["requests"].dtype.names)
+        assert new["requests"].fields(names)[:].tolist() == old["requests"][:].tolist()
     with open_trace(DATA / "trace_v1_uint8.h5") as trace:
         assert all(req.routed_weights is None for req in trace)
         assert trace.verify() == []
@@ -145,3 +154,25 @@ def test_a_reader_that_predates_the_array_refuses_the_file(tmp_path, version_2, 
     monkeypatch.setattr(reader_module, "FORMAT_VERSION", 1)
     with pytest.raises(MoetraceError, match="format version 2 is newer"):
         open_trace(path)
+
+
+def test_samples_of_one_prompt_round_trip_and_an_older_table_refuses_them(tmp_path):
+    name = "trace_v1_uint8.h5"
+    md = TraceMetadata(**legacy_metadata_fields(name))
+    first = expected_requests(name)[0]
+    samples = [FinishedRequest(**{**first, "sample_index": i}) for i in range(3)]
+    _write(tmp_path / "n3.h5", md, samples)
+    with open_trace(tmp_path / "n3.h5") as trace:
+        assert [(r.id, r.sample_index) for r in trace] == [
+            (first["request_id"], i) for i in range(3)
+        ]
+        assert trace.verify() == []
+    old = tmp_path / name
+    old.write_bytes((DATA / name).read_bytes())
+    writer = TraceWriter(old, md, append=True).start()
+    writer.submit(dataclasses.replace(samples[0], request_id="more"))  # sample 0: the default
+    with pytest.raises(MoetraceError, match="sample_index 1: the trace was written before"):
+        writer.submit(dataclasses.replace(samples[1], request_id="more"))
+    writer.close()
+    with open_trace(old) as trace:
+        assert trace.request_ids[-1] == "more" and trace.verify() == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,8 +143,12 @@ class LLMEngine:
         sampling: SamplingParams,
         *,
         index: int = 0,
+        samples: Sequence[int] | None = None,
     ) -> None:
-        """Queue a prompt; ``sampling.n`` > 1 queues that many samples of it (ids ``"i_<id>"``)."""
+        """Queue a prompt; ``sampling.n`` > 1 queues that many samples of it (ids ``"i_<id>"``).
+
+        ``samples``: only these sample indices (a resumed run redoes the missing ones).
+        """
         if request_id in self._samples:
             raise RequestRejected("id", f"duplicate request id {request_id!r}")
         self.check_request(prompt_token_ids, sampling)
@@ -153,12 +157,15 @@ class LLMEngine:
                 "stop", "stop strings need the model's tokenizer (tokenizer.json)"
             )
         n = sampling.n
+        chosen = range(n) if samples is None else sorted(set(samples))
+        if not chosen or not all(0 <= i < n for i in chosen):
+            raise ValueError(f"samples {list(chosen)} are not a choice among n={n}")
         # vLLM's names for the samples of one prompt; a clash with another id is refused.
-        ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-        clash = next((i for i in ids if i in self._requests), None)
+        ids = {i: request_id if n == 1 else f"{i}_{request_id}" for i in chosen}
+        clash = next((e for e in ids.values() if e in self._requests), None)
         if clash is not None:
             raise RequestRejected("id", f"duplicate request id {clash!r}")
-        for i, engine_id in enumerate(ids):
+        for i, engine_id in ids.items():
             params = sampling.for_sample(i) if n > 1 else sampling
             request = Request(
                 engine_id,
@@ -172,7 +179,7 @@ class LLMEngine:
             )
             self._requests[engine_id] = request
             self.scheduler.add(request)
-        self._samples[request_id] = ids
+        self._samples[request_id] = list(ids.values())
 
     def _stop_strings(
         self, prompt_token_ids: list[int], params: SamplingParams

@@ -167,9 +167,38 @@ def encode_fields(req: FinishedRequest) -> dict:
     return {c.name: c.to_table(getattr(req, c.attribute)) for c in COLUMNS if c.kind != PLACED}
 
 
-def table_row(encoded: dict, placed: dict[str, int]) -> tuple:
-    """A record as a tuple in table order, from ``encode_fields`` and the writer's values."""
-    return tuple(int(placed[c.name]) if c.kind == PLACED else encoded[c.name] for c in COLUMNS)
+def table_row(
+    encoded: dict, placed: dict[str, int], columns: tuple[Column, ...] = COLUMNS
+) -> tuple:
+    """A record as a tuple in table order, from ``encode_fields`` and the writer's values.
+
+    ``columns``: those of the table written to (an older file's may end earlier).
+    """
+    return tuple(int(placed[c.name]) if c.kind == PLACED else encoded[c.name] for c in columns)
+
+
+def unstorable(encoded: dict, columns: tuple[Column, ...]) -> str | None:
+    """Why a table with only ``columns`` cannot hold the record (a later field set), or None."""
+    for c in COLUMNS[len(columns) :]:
+        if encoded[c.name] != c.default:
+            return f"{c.name} {encoded[c.name]!r}: the trace was written before that field existed"
+    return None
+
+
+def table_columns(table_dtype: np.dtype) -> tuple[Column, ...] | None:
+    """The columns of an existing table this version can append to, or None.
+
+    A table written before some columns existed holds a leading part of
+    ``COLUMNS``; records appended to it leave the later columns out (so they
+    must hold those columns' defaults).
+    """
+    names = table_dtype.names or ()
+    columns = COLUMNS[: len(names)]
+    if tuple(c.name for c in columns) != names:
+        return None
+    if any(c.default is None for c in COLUMNS[len(names) :]):
+        return None
+    return columns
 
 
 class RecordDecoder:

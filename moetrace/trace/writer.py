@@ -44,6 +44,7 @@ from moetrace.trace.integrity import expected_num_rows, metadata_crc, record_crc
 from moetrace.trace.metadata import FORMAT_NAME, TraceMetadata
 from moetrace.trace.records import (
     ARRAYS,
+    COLUMNS,
     FINISH_REASONS,
     REQUEST_DTYPE,
     REQUESTS,
@@ -54,7 +55,9 @@ from moetrace.trace.records import (
     FinishedRequest,
     encode_fields,
     format_version_for,
+    table_columns,
     table_row,
+    unstorable,
     written_arrays,
 )
 
@@ -220,6 +223,7 @@ class TraceWriter:
         self.expected_requests = expected_requests
         self.reserve_bytes = reserve_from_env() if reserve_bytes is None else reserve_bytes
         self._arrays = written_arrays(metadata)
+        self._columns = COLUMNS  # of the table written to (an older file's may end earlier)
         # Built under a temporary name and renamed once its header is on disk, so that a
         # kill at any moment leaves either no trace or one that opens.
         self._creating = self.path.with_name(f".{self.path.name}.{os.getpid()}.creating")
@@ -287,7 +291,11 @@ class TraceWriter:
             raise RuntimeError("TraceWriter is not running (call start() first, not after close())")
         self._raise_thread_error()
         self._check(req)
-        self._queue.put((req, encode_fields(req)))
+        encoded = encode_fields(req)
+        problem = unstorable(encoded, self._columns)
+        if problem is not None:
+            raise MoetraceError(f"cannot append to {self.path}: {problem}")
+        self._queue.put((req, encoded))
 
     def close(
         self,
@@ -489,8 +497,10 @@ class TraceWriter:
                     f"its rows are {routed.dtype} {list(routed.shape[1:])}, "
                     f"this run writes {md.expert_dtype} {list(layout)}"
                 )
-            if table.dtype.names != REQUEST_DTYPE.names:
+            columns = table_columns(table.dtype)
+            if columns is None:
                 raise MoetraceError("its request table has other fields")
+            self._columns = columns
             n = table.shape[0]
             if self.keep_requests is not None:
                 n = min(n, self.keep_requests)
@@ -570,7 +580,7 @@ class TraceWriter:
             "token_start": self._tokens.length,
             "checksum": request_checksum(*data.values()),
         }
-        record = table_row(encoded, placed)
+        record = table_row(encoded, placed, self._columns)
         self._ensure_space(sum(d.nbytes for d in data.values()) + 256)
         for name, values in data.items():
             self._appenders[name].append(values)
@@ -599,7 +609,7 @@ class TraceWriter:
         self._file.flush()
         n = self._requests.shape[0]
         self._requests.resize(n + len(self._pending), axis=0)
-        self._requests[n:] = np.array(self._pending, dtype=REQUEST_DTYPE)
+        self._requests[n:] = np.array(self._pending, dtype=self._requests.dtype)
         self._table_crc = record_crc(self._pending, self._table_crc)
         self._pending.clear()
         self._file.attrs.update(
