@@ -9,8 +9,13 @@ import numpy as np
 import typer
 from rich.console import Console
 
+from moetrace.analysis.views import registry
 from moetrace.cli.pipes import StdoutConsole
 from moetrace.trace.reader import open_trace
+
+VIEW_HELP = "; ".join(f"{v.name}: {v.help}" for v in registry())
+ALL_HELP = ", ".join(v.name for v in registry() if v.in_all and not v.default)
+DEFAULT_HELP = " and ".join(v.name for v in registry() if v.default)
 
 
 def inspect_command(
@@ -22,12 +27,9 @@ def inspect_command(
         [],
         "--view",
         "-v",
-        help="summary, load, ep, locality, coactivation, transitions, vocab, requests, tokens "
-        "(repeat; default: summary and load).",
+        help=f"{VIEW_HELP} (repeat; default: {DEFAULT_HELP}).",
     ),
-    all_views: bool = typer.Option(
-        False, "--all", help="Add locality, coactivation, transitions and requests."
-    ),
+    all_views: bool = typer.Option(False, "--all", help=f"Add {ALL_HELP}."),
     request: list[str] = typer.Option(
         [], "--request", "-r", help="Only this request id (repeat; globs work); shows its tokens."
     ),
@@ -74,7 +76,7 @@ def inspect_command(
     moetrace inspect t.h5 --expert 2:7 --token-text e --plot load.png
     """
     from moetrace.analysis.report import InspectOptions, inspect_report
-    from moetrace.cli.inspect_views import render_report
+    from moetrace.analysis.views import render_report
 
     opts = InspectOptions(
         views=view,
