@@ -32,13 +32,18 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token
     query_start_loc: torch.Tensor  # int32 [B + 1]
     seq_lens: torch.Tensor  # int32 [B]: tokens in context after this step (cached + new)
-    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0 (row stride: below)
     max_query_len: int
     max_seq_len: int
     block_size: int
     # Host copies, for the plain-torch path (never read inside a CUDA graph).
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    # The shortest query in the step (1 when unknown, as in a captured graph).
+    min_query_len: int = 1
+    # int32 [1] on the device: the block tables' row stride, when the step packs
+    # them at a width of its own (padded steps); None means block_tables.stride(0).
+    block_table_stride: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

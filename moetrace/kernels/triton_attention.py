@@ -2,17 +2,25 @@
 
 One attention kernel serves every step kind: prefill of whole prompts, chunked
 prefill, prompts whose prefix came from the cache (``q_len < seq_len``) and
-decode (``q_len == 1``), all packed in one launch.  A program owns one tile of
+decode (``q_len == 1``), all packed in one step.  A program owns one tile of
 a sequence's queries and one KV head, with all the query heads that share that
 KV head stacked as rows of its tile (GQA packing): each K/V tile read from the
 cache serves ``group`` heads at once, which is what makes decode at large batch
-memory-efficient.  Decode batches too small to fill the GPU (sequences x KV
-heads < 4 x SMs) split each sequence's keys over 2 programs (flash-decoding)
-and merge the partial softmaxes in a second small kernel.
+memory-efficient.
 
-Nothing here reads a device value on the host, and the grid depends only on
-tensor shapes and ``meta.max_query_len`` (a host int), so a decode step can be
-captured in a CUDA graph and replayed with new metadata copied in.
+A step is launched as two classes of sequences: short queries (decode) get
+one 16-row tile per sequence, longer ones (prefill chunks) 64-row tiles over a
+flattened tile index.  Each launch's grid depends only on the step's token and
+sequence counts; a program whose sequence belongs to the other class, or whose
+tile lies past its query, returns at once.  So one captured CUDA graph serves
+any mix of prefill chunks and decodes of its padded shape.  Decode batches too
+small to fill the GPU (sequences x KV heads < 4 x SMs) split each
+single-query sequence's keys over 2 programs (flash-decoding) and merge the
+partial softmaxes in a second small kernel.
+
+Nothing here reads a device value on the host: the block tables' row stride
+too is read on the device (``AttentionMetadata.block_table_stride``), so a
+graph replays steps whose tables are packed at another width.
 
 Sliding window convention (checked against transformers' ``masking_utils``:
 ``sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``): key
@@ -23,6 +31,7 @@ Sliding window convention (checked against transformers' ``masking_utils``:
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -210,6 +219,24 @@ def _attend(
 
 
 @triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence that owns flattened query tile ``tile``.
+
+    Sequence ``b``'s tiles start at ``query_start[b] // BLOCK_Q + b``: at least
+    as many tiles as all earlier sequences need, and increasing in ``b``, so the
+    owner is the last ``b`` whose start is ``<= tile`` (binary search).
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(start <= tile, mid + 1, lo)
+        hi = tl.where(start <= tile, hi, mid)
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_seqs", "decode_max_q"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -220,6 +247,9 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    bt_stride_ptr,
+    num_seqs,
+    decode_max_q,
     scale_log2,
     window,
     num_heads,
@@ -233,7 +263,6 @@ def _paged_attention_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
-    stride_bt,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -242,21 +271,38 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DECODE_CLASS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    """One (query tile, KV head[, key split]) of one class of sequences.
 
+    Decode class (``q_len <= decode_max_q``): program ``i`` is sequence ``i``'s
+    single tile.  Prefill class (longer queries): program ``i`` is flattened
+    tile ``i`` (see ``_find_seq``).  Programs with nothing to do return at once,
+    so the grid depends on the step's padded shape alone.
+    """
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+
+    if DECODE_CLASS:
+        seq = pid
+        tile = 0
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+        tile = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    # The grid covers the longest query of the batch; shorter ones stop here.
-    if tile * BLOCK_Q >= q_len:
+    if DECODE_CLASS:
+        mine = q_len <= decode_max_q
+    else:
+        mine = q_len > decode_max_q
+    if (not mine) or (tile * BLOCK_Q >= q_len):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # keys already in the cache before this step's queries
+    stride_bt = tl.load(bt_stride_ptr).to(tl.int64)
 
     # Row r of the tile is query (tile * BLOCK_Q + r // GROUP), head (kv_head * GROUP + r % GROUP).
     rows = tl.arange(0, BLOCK_M)
@@ -355,8 +401,9 @@ def _paged_attention_kernel(
     )
 
     if NUM_SPLITS > 1:
-        # Unnormalised partials [T, Hq, S, D] and (m, l) [T, Hq, S, 2]; _combine_kernel merges.
-        row = (tok * num_heads + head) * NUM_SPLITS + split
+        # Split decode has one query per sequence.  Unnormalised partials
+        # [S, Hq, splits, D] and (m, l) [S, Hq, splits, 2]; _combine_kernel merges.
+        row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         a_ptrs = part_acc_ptr + row[:, None] * BLOCK_D + d[None, :]
         tl.store(a_ptrs, acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
@@ -373,6 +420,7 @@ def _combine_kernel(
     part_acc_ptr,
     part_ml_ptr,
     out_ptr,
+    query_start_loc_ptr,
     num_heads,
     stride_ot,
     stride_oh,
@@ -381,13 +429,16 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Merge the split-K partials of one (token, head): rescale each share to the common max."""
-    tok = tl.program_id(0).to(tl.int64)
+    """Merge the split-K partials of one (decode sequence, head): rescale each share to the common max."""
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    tok = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - tok != 1:
+        return
     sp = tl.arange(0, SPLITS_P2)
     sp_ok = sp < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
-    row = (tok * num_heads + head) * NUM_SPLITS + sp
+    row = (seq * num_heads + head) * NUM_SPLITS + sp
     m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
     acc = tl.load(
@@ -399,7 +450,7 @@ def _combine_kernel(
     l_tot = tl.sum(w * l_s, 0)
     l_tot = tl.where(l_tot > 0.0, l_tot, 1.0)
     out = tl.sum(acc * w[:, None], 0) / l_tot
-    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + d
+    o_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -415,22 +466,26 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
-    """Split-K factor for decode: 2 when (sequences x KV heads) < 4 x SMs, else 1.
+def _num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split-K factor for single-query sequences: 2 when (sequences x KV heads) < 4 x SMs.
 
     Depends on the batch shape only, never on context lengths (device values),
-    so a captured decode graph stays valid for any lengths.  Measured on the
-    H200 at context 2048 (eager): Qwen3 shape B=32 68 -> 56 us, OLMoE B=32
-    175 -> 159 us with 2 splits; 4 and 8 splits were no better there (small
-    batches are launch-bound when timed eagerly; graph replay was not timed).
+    so a captured graph stays valid for any lengths.  Measured on the H200 at
+    context 2048 (eager): Qwen3 shape B=32 68 -> 56 us, OLMoE B=32 175 -> 159
+    us with 2 splits; 4 and 8 splits were no better there.
     """
-    if max_query_len != 1:
-        return 1
     return 2 if num_seqs * num_kv_heads < 4 * _num_sms(device) else 1
 
 
-def _attention_config(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the step kind.
+class TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile_configs(group: int) -> tuple[TileConfig, TileConfig]:
+    """(decode, prefill) tiles.
 
     Decode: the fewest rows a tensor-core dot takes (16) or one query's group
     of heads.  Prefill: 64 rows.  From benchmarks/kernels.py on an H200: decode
@@ -438,11 +493,112 @@ def _attention_config(max_query_len: int, group: int, head_dim: int) -> tuple[in
     (N32 up to 7% slower); prefill M64 N64 w4 s2 best for 16 x 512 new tokens
     and for 4 x 1024 after 3072 cached (M128 variants 4-28% slower).
     """
-    if max_query_len == 1:
-        block_m = max(16, triton.next_power_of_2(group))
-        return block_m, 64, 4, 2
-    block_m = max(64, triton.next_power_of_2(group))
-    return block_m, 64, 4, 2
+    decode = TileConfig(max(16, triton.next_power_of_2(group)), 64, 4, 2)
+    prefill = TileConfig(max(64, triton.next_power_of_2(group)), 64, 4, 2)
+    return decode, prefill
+
+
+def _block_table_stride(meta: AttentionMetadata) -> torch.Tensor:
+    """The block tables' row stride as a device int32: a padded step's tables are packed
+    at a per-step width, so captured graphs read the stride instead of freezing it."""
+    if meta.block_table_stride is None:
+        meta.block_table_stride = torch.full(
+            (1,), meta.block_tables.stride(0), dtype=torch.int32, device=meta.block_tables.device
+        )
+    return meta.block_table_stride
+
+
+def _launch_class(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    cfg: TileConfig,
+    *,
+    decode: bool,
+    decode_max_q: int,
+    num_splits: int = 1,
+) -> None:
+    """Launch one class of sequences (decode or prefill) with an explicit tile config."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_q = cfg.block_m // group
+    # Tensor-core dots need K >= 16: narrower heads are padded (masked lanes read as 0).
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_seqs = meta.seq_lens.shape[0]
+    splits = num_splits if decode else 1
+    programs = num_seqs if decode else num_tokens // block_q + num_seqs
+    grid = (programs, num_kv_heads * splits)
+    use_window = sliding_window is not None and sliding_window > 0
+    if splits > 1:
+        part_acc = torch.empty(
+            (num_seqs, num_heads, splits, block_d), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(
+            (num_seqs, num_heads, splits, 2), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_ml,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        _block_table_stride(meta),
+        num_seqs,
+        decode_max_q,
+        scale * _LOG2E,
+        int(sliding_window) if use_window else 0,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1],
+        NUM_SPLITS=splits,
+        DECODE_CLASS=decode,
+        USE_WINDOW=use_window,
+        # fp32 caches get exact fp32 dots (Triton's default for fp32 is tf32).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _combine_kernel[(num_seqs, num_heads)](
+            part_acc,
+            part_ml,
+            out,
+            meta.query_start_loc,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            SPLITS_P2=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d >= 128 else 2,
+        )
 
 
 def _launch_attention(
@@ -459,77 +615,15 @@ def _launch_attention(
     num_stages: int,
     num_splits: int = 1,
 ) -> None:
-    """Launch with an explicit tile config (``paged_attention`` picks one; benchmarks sweep)."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    block_q = block_m // group
-    # Tensor-core dots need K >= 16: narrower heads are padded (masked lanes read as 0).
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    num_seqs = meta.seq_lens.shape[0]
-    grid = (triton.cdiv(meta.max_query_len, block_q), num_seqs, num_kv_heads * num_splits)
-    use_window = sliding_window is not None and sliding_window > 0
-    if num_splits > 1:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device
-        )
-        part_ml = torch.empty(
-            (num_tokens, num_heads, num_splits, 2), dtype=torch.float32, device=q.device
-        )
-    else:
-        part_acc = part_ml = out  # unused
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_acc,
-        part_ml,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_tables,
-        scale * _LOG2E,
-        int(sliding_window) if use_window else 0,
-        num_heads,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        meta.block_tables.stride(0),
-        GROUP=group,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1],
-        NUM_SPLITS=num_splits,
-        USE_WINDOW=use_window,
-        # fp32 caches get exact fp32 dots (Triton's default for fp32 is tf32).
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if num_splits > 1:
-        _combine_kernel[(num_tokens, num_heads)](
-            part_acc,
-            part_ml,
-            out,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            NUM_SPLITS=num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            num_warps=4 if block_d >= 128 else 2,
-        )
+    """Both classes with one explicit tile config (benchmarks sweep these; tests pin them)."""
+    cfg = TileConfig(block_m, block_n, num_warps, num_stages)
+    group = q.shape[1] // k_cache.shape[2]
+    decode_max_q = 1 if num_splits > 1 else max(1, block_m // group)
+    for decode in (True, False):
+        _launch_class(
+            q, k_cache, v_cache, meta, scale, sliding_window, out, cfg,
+            decode=decode, decode_max_q=decode_max_q, num_splits=num_splits,
+        )  # fmt: skip
 
 
 def paged_attention(
@@ -563,7 +657,19 @@ def paged_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or meta.max_query_len == 0:
         return out
-    cfg = _attention_config(meta.max_query_len, num_heads // num_kv_heads, head_dim)
-    splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, meta.max_query_len, q.device)
-    _launch_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, *cfg, splits)
+    decode_cfg, prefill_cfg = _tile_configs(num_heads // num_kv_heads)
+    splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, q.device)
+    decode_max_q = 1 if splits > 1 else decode_cfg.block_m // (num_heads // num_kv_heads)
+    # Each class is launched only if the step may hold such a sequence; skipping
+    # a class whose programs would all return changes nothing in the output.
+    if meta.min_query_len <= decode_max_q:
+        _launch_class(
+            q, k_cache, v_cache, meta, scale, sliding_window, out, decode_cfg,
+            decode=True, decode_max_q=decode_max_q, num_splits=splits,
+        )  # fmt: skip
+    if meta.max_query_len > decode_max_q:
+        _launch_class(
+            q, k_cache, v_cache, meta, scale, sliding_window, out, prefill_cfg,
+            decode=False, decode_max_q=decode_max_q,
+        )  # fmt: skip
     return out
