@@ -1,5 +1,8 @@
 """moetrace: record Mixture-of-Experts routing into HDF5 traces."""
 
+import time as _time
+
+STARTED = _time.perf_counter()  # the start-up summary counts from the package's import
 __version__ = "0.1.0"
 
 from moetrace.trace.reader import Trace, open_trace  # noqa: E402

@@ -17,7 +17,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0  # KV budget when running on the CPU
     seed: int = 0
-    enforce_eager: bool = False  # CUDA: no decode graphs
+    enforce_eager: bool = False  # CUDA: no CUDA graphs (steps still run at padded sizes)
+    max_cudagraph_capture_size: int = 2048  # CUDA: steps up to this many tokens replay graphs
     use_kernels: bool = True  # CUDA: Triton attention and fused MoE (False: plain torch)
     capture_ring_size: int = 2  # pinned host slots for routing rows in flight
     async_scheduling: bool | None = None  # None: on for CUDA (schedule step N+1 while N runs)
@@ -38,6 +39,11 @@ class EngineConfig:
             (
                 self.max_num_batched_tokens >= 1,
                 f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}",
+            ),
+            (
+                self.max_cudagraph_capture_size >= 1,
+                "--max-cudagraph-capture-size must be at least 1, "
+                f"got {self.max_cudagraph_capture_size}",
             ),
             (
                 0 < self.gpu_memory_utilization <= 1,

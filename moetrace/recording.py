@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 
+import moetrace
 from moetrace import __version__
 from moetrace.config import EngineConfig
 from moetrace.distributed.sharding import load_model_for_rank
 from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected, request_problem
+from moetrace.engine.precompile import start_compile_workers, stop_compile_workers
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError, InputError, ModelError, MoetraceError
 from moetrace.intake import Intake
@@ -83,6 +85,8 @@ class RecordResult:
     skipped: list[InputError] = field(default_factory=list)
     kept: int = 0  # requests already in the trace (resume)
     dropped_in_flight: int = 0  # unfinished when the run stopped early; a resume redoes them
+    startup: dict[str, float] = field(default_factory=dict)  # seconds by phase, before step 1
+    kernel_variants: int = 0
 
 
 def check_supported(*, pipeline_parallel_size: int = 1, cpu_offload_gb: float = 0.0) -> None:
@@ -423,23 +427,33 @@ class Recording:
         self, progress: ProgressCallback | None = None, stop: GracefulStop | None = None
     ) -> RecordResult:
         """Record every prompt; ``stop`` (armed once the file is open) ends the run early."""
-        loaded = load_model_for_rank(
-            self.model_name,
-            device=self.device,
-            dtype=self.dtype,
-            load_format=self.load_format,
-            seed=self.engine_config.seed,
-        )
-        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
-        if not eos and loaded.config.get("eos_token_id") is not None:
-            value = loaded.config["eos_token_id"]
-            eos = tuple(value) if isinstance(value, list) else (int(value),)
-        configure_cpu_threads(loaded.model, self.device)
-        engine = LLMEngine(loaded.model, self.engine_config, self.device, eos_token_ids=eos)
+        startup = {"set-up": time.perf_counter() - moetrace.STARTED}
+        clock = time.perf_counter()
+        if self.device.type == "cuda" and self.engine_config.use_kernels:
+            start_compile_workers()  # forked before the weights load; compile while they do
+        try:
+            loaded = load_model_for_rank(
+                self.model_name,
+                device=self.device,
+                dtype=self.dtype,
+                load_format=self.load_format,
+                seed=self.engine_config.seed,
+            )
+            startup["weights"] = time.perf_counter() - clock
+            eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
+            if not eos and loaded.config.get("eos_token_id") is not None:
+                value = loaded.config["eos_token_id"]
+                eos = tuple(value) if isinstance(value, list) else (int(value),)
+            configure_cpu_threads(loaded.model, self.device)
+            engine = LLMEngine(loaded.model, self.engine_config, self.device, eos_token_ids=eos)
+        finally:
+            stop_compile_workers()
         self._check_kv_capacity(engine)
         architecture = loaded.model.architecture
         writer = self._writer(self.metadata(engine, architecture, loaded.config_digest))
         result = RecordResult(self.output)
+        result.startup = {**startup, **engine.startup.seconds}
+        result.kernel_variants = engine.startup.kernel_variants
         window = max(2 * self.engine_config.max_num_seqs, 64)
         errors: list[InputError] = []
         intake = Intake(self._specs(errors), threaded=self.streaming, read_ahead=window)

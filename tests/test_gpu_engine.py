@@ -88,6 +88,104 @@ def test_graph_replay_equals_eager(dtype):
     assert_same(eager, graph)
 
 
+def mixed_workload(seed: int, count: int) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Prompts of 1 to 70 tokens (some sharing prefixes) and 1 to 20 new tokens each, so
+    requests finish at different times and most steps mix prefill chunks with decodes."""
+    rng = np.random.default_rng(seed)
+    prompts = shared_prefix_prompts(seed=seed, count=count)
+    for rid in list(prompts)[::3]:
+        prompts[rid] = prompts[rid] + rng.integers(0, 97, int(rng.integers(20, 60))).tolist()
+    max_tokens = {rid: int(rng.integers(1, 21)) for rid in prompts}
+    return prompts, max_tokens
+
+
+def run_counting(model, prompts, max_tokens, abort_after=None, **engine):
+    """Run to the end; also count steps by kind (mixed or decode-only, replayed or eager).
+    ``abort_after``: (step number, request ids) aborted once that many steps have run."""
+    config = EngineConfig(**{"num_kv_blocks": 512, "block_size": 16, **engine})
+    eng = LLMEngine(model, config, CUDA)
+    for i, (rid, ids) in enumerate(prompts.items()):
+        eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens[rid]), index=i)
+    kinds: dict[str, int] = {}
+    graphs = eng.runner.graphs
+    original = graphs.run
+
+    def counted(plan, fill):
+        replayed = graphs.bucket(plan.num_tokens) in graphs.graphs
+        kind = ("decode" if plan.decode_only else "mixed") + ("/graph" if replayed else "/eager")
+        kinds[kind] = kinds.get(kind, 0) + 1
+        return original(plan, fill)
+
+    graphs.run = counted
+    done, steps = {}, 0
+    while eng.has_unfinished():
+        for f in eng.step():
+            done[f.request_id] = f
+        steps += 1
+        if abort_after is not None and steps == abort_after[0]:
+            for f in eng.abort(abort_after[1]):
+                done[f.request_id] = f
+    eng.block_manager.check_no_leaks()
+    return done, kinds, eng.stats
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(),  # prefix hits, chunked prefill beside decodes
+        dict(num_kv_blocks=14),  # KV pressure: recompute preemption
+        dict(abort=True),
+        dict(async_scheduling=False),
+    ],
+    ids=["prefix-hits", "preemption", "abort", "sync"],
+)
+def test_mixed_steps_replayed_from_graphs_equal_eager(setting):
+    """Steps mixing prefill chunks and decodes replay graphs, and record what eager records."""
+    model = gpu_model(torch.bfloat16)
+    prompts, max_tokens = mixed_workload(seed=21, count=24)
+    setting = dict(setting)
+    abort = (6, {"r1", "r5", "r9"}) if setting.pop("abort", False) else None
+    engine = dict(max_num_seqs=8, max_num_batched_tokens=64, **setting)
+    eager, eager_kinds, eager_stats = run_counting(
+        model, prompts, max_tokens, abort, enforce_eager=True, **engine
+    )
+    graph, kinds, stats = run_counting(model, prompts, max_tokens, abort, **engine)
+    assert_same(eager, graph)
+    assert kinds.get("mixed/graph", 0) >= 5 and "mixed/eager" not in kinds, kinds
+    assert "mixed/graph" not in eager_kinds
+    if "num_kv_blocks" in setting:
+        assert stats.preemptions > 0 and eager_stats.preemptions == stats.preemptions
+    if abort:
+        assert "abort" in {graph[r].finish_reason for r in abort[1]}
+    assert any(f.num_cached_tokens for f in graph.values())  # prefix hits happened
+
+
+def test_no_kernel_compiles_after_start_up():
+    """Every step size is padded to a ladder the start-up compiled: no Triton compile mid-run."""
+    import triton
+
+    compiled: list[str] = []
+
+    def hook(*args, **kwargs):
+        compiled.append(str(kwargs.get("fn", "?")))
+        return False
+
+    model = gpu_model(torch.bfloat16)
+    prompts, max_tokens = mixed_workload(seed=22, count=30)
+    # Graphs up to 16 tokens; the 32- to 96-token sizes run eagerly, warmed up at start.
+    config = dict(max_num_seqs=12, max_num_batched_tokens=96, max_cudagraph_capture_size=16)
+    eng = LLMEngine(model, EngineConfig(num_kv_blocks=512, **config), CUDA)
+    for i, (rid, ids) in enumerate(prompts.items()):
+        eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens[rid]), index=i)
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        done = list(eng.run())
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert len(done) == len(prompts)
+    assert compiled == [], f"compiled during the run: {compiled}"
+
+
 def test_async_scheduling_equals_sync():
     model = gpu_model(torch.bfloat16)
     prompts = shared_prefix_prompts(seed=9, count=16)
@@ -128,9 +226,10 @@ def test_bf16_routing_equals_transformers_router_teacher_forced(tmp_path):
         "a", prompts["a"] + done["a"].output_token_ids.tolist()[:-1], SamplingParams(max_tokens=1)
     )
     inputs.clear()
+    # Steps on the kernels run at padded sizes: the real tokens come first.
     hooks = [
         block.register_forward_pre_hook(
-            lambda m, args, i=block.moe_index: inputs.__setitem__(i, args[0])
+            lambda m, args, i=block.moe_index: inputs.__setitem__(i, args[0][: len(seq)])
         )
         for block in ours.moe_blocks()
     ]
@@ -170,10 +269,16 @@ def test_forward_and_capture_never_sync_the_host():
     torch.cuda.synchronize()
     from moetrace.forward_context import forward_context
 
+    graphs = eng.runner.graphs
+    size = graphs.bucket(plan.num_tokens)
+    padded_meta = graphs._stage(plan, size)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode(), forward_context(meta):
             model(ids, pos)
+        with torch.inference_mode():
+            graphs._forward(size, padded_meta)  # the padded step, as graphs capture it
         eng.runner.transfer.start(
             eng.runner.capturer.tensors(plan.num_tokens), plan.slots, plan.slots * 0
         )

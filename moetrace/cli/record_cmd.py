@@ -85,8 +85,14 @@ def record_command(
     enforce_eager: bool = typer.Option(
         False,
         "--enforce-eager",
-        help="No CUDA graphs: every decode step runs eagerly (slower, same trace). "
+        help="No CUDA graphs: every step runs eagerly (slower, same trace). "
         "Tensor parallel runs eagerly already.",
+    ),
+    max_cudagraph_capture_size: int = typer.Option(
+        2048,
+        "--max-cudagraph-capture-size",
+        help="Steps of up to this many tokens (padded) replay CUDA graphs; larger ones run "
+        "eagerly at padded sizes.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     resume: bool = typer.Option(
@@ -104,7 +110,9 @@ def record_command(
         5.0, "--flush-interval", help="Seconds between flushes: the most a crash can lose."
     ),
     flush_every: int = typer.Option(64, "--flush-every", help="Finished requests between flushes."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No progress bar, no start-up breakdown: the result line only."
+    ),
     tensor_parallel_size: int | None = typer.Option(
         None,
         "--tensor-parallel-size",
@@ -174,6 +182,7 @@ def record_command(
         seed=seed,
         # Graphs with collectives inside have not run on two GPUs yet (docs/distributed.md).
         enforce_eager=enforce_eager or parallel.enabled,
+        max_cudagraph_capture_size=max_cudagraph_capture_size,
     )
     sampling = SamplingDefaults(
         max_tokens=max_tokens,
@@ -217,7 +226,7 @@ def record_command(
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 os._exit(1)
             raise
-    _summarise(result, console)
+    _summarise(result, console, startup=not quiet)
 
 
 def _check_sampling(sampling: SamplingDefaults) -> None:
@@ -249,7 +258,7 @@ def _run_with_progress(recording: Recording, console: Console, stop: GracefulSto
         return recording.run(progress=update, stop=stop)
 
 
-def _summarise(result: RecordResult, console: Console) -> None:
+def _summarise(result: RecordResult, console: Console, *, startup: bool) -> None:
     rate = result.output_tokens / result.elapsed_s if result.elapsed_s else 0.0
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(result.finish_reasons.items()))
     kept = f" (after {result.kept} kept from before)" if result.kept else ""
@@ -261,6 +270,22 @@ def _summarise(result: RecordResult, console: Console) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    if startup and result.startup:
+        parts = ", ".join(
+            f"{name.replace('_', ' ')} {seconds:.1f}"
+            for name, seconds in result.startup.items()
+            if seconds >= 0.05
+        )
+        variants = (
+            f"; {result.kernel_variants} kernel variants compiled or loaded ahead"
+            if result.kernel_variants
+            else ""
+        )
+        console.print(
+            f"start-up {sum(result.startup.values()):.1f} s: {parts}{variants}",
+            highlight=False,
+            soft_wrap=True,
+        )
     for err in result.skipped:
         console.print(
             f"[yellow]skipped[/yellow] {escape(str(err))}", highlight=False, soft_wrap=True

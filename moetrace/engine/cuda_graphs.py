@@ -1,10 +1,21 @@
-"""Decode steps as replayed CUDA graphs.
+"""Every kernel-path step at a padded shape, replayed from a CUDA graph where one is captured.
 
-Each captured batch size has a graph that reads its inputs from static
-buffers and writes logits to a static output.  A step of ``n`` decode tokens
-replays the smallest graph of size ``B >= n``; rows ``n..B`` are padding that
-write their KV and routing rows to a scratch block nobody reads.  The routing
-capturer's buffer is static too, so capture runs inside the graph unchanged.
+A step of ``n`` tokens over ``s`` sequences runs at the smallest size ``B >= n``
+of a fixed ladder (``token_buckets``), with ``min(B, max_num_seqs) + 1``
+sequence slots: the real sequences, one padding sequence that owns tokens
+``n..B`` (position 0, KV written to a scratch block nobody else reads) and
+empty slots.  Inputs live in static device buffers laid out per size, so a
+graph captured for ``B`` serves any step that pads to ``B``: decode-only,
+prefill chunks, prefix hits, or a mix.  Sizes above ``max_graph_tokens`` run
+the same padded forward eagerly.
+
+Why pad eager steps too: a step's results then never depend on whether a graph
+ran it (the same kernels see the same shapes), and the kernels see a bounded
+set of shapes, all compiled before the first step instead of during the run.
+
+Why full graphs rather than graphs around an eager attention (vLLM's
+piecewise mode): the attention kernel's grid depends on the padded shape
+alone (``kernels/triton_attention.py``), so nothing needs to run outside.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from moetrace.engine.step_plan import StepPlan
@@ -21,75 +33,176 @@ if TYPE_CHECKING:
     from moetrace.engine.model_runner import ModelRunner
 
 
-def graph_batch_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to ``max_batch`` (as vLLM spaces them)."""
-    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
-    sizes += list(range(16, max_batch + 1, 16))
-    if sizes[-1] != max_batch:
-        sizes.append(max_batch)
+def token_buckets(max_tokens: int) -> list[int]:
+    """1, 2, 4, 8, every 16 up to 256, then 8 sizes per doubling (288, 320, ..., 512, 576, ...).
+
+    Beyond 256 the step between sizes is 1/8 of the octave, so a padded step
+    wastes at most 1/8 of its tokens (measured: mixed steps stay memory-bound
+    there, so a padding token costs far less than an average one).
+    """
+    sizes = [b for b in (1, 2, 4, 8) if b < max_tokens]
+    sizes += list(range(16, min(256, max_tokens - 1) + 1, 16))
+    octave = 256
+    while octave < max_tokens:
+        step = octave // 8
+        sizes += [b for b in range(octave + step, 2 * octave + 1, step) if b < max_tokens]
+        octave *= 2
+    sizes.append(max_tokens)
     return sizes
 
 
-class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+class StepBuffers:
+    """Static device inputs for one padded size, as views of the shared buffers.
+
+    int64: ids, positions, slots (``B`` each), logits rows (``S``); int32:
+    query starts (``S + 1``), sequence lengths (``S``), the tables' row stride,
+    then the block tables at the step's own width.  Each run copies only the
+    used prefix of each buffer, in one copy per buffer.
+    """
+
+    def __init__(self, dev_i64: torch.Tensor, dev_i32: torch.Tensor, tokens: int, seqs: int):
+        self.tokens, self.seqs = tokens, seqs
+        self.ids = dev_i64[:tokens]
+        self.positions = dev_i64[tokens : 2 * tokens]
+        self.slots = dev_i64[2 * tokens : 3 * tokens]
+        self.rows = dev_i64[3 * tokens : 3 * tokens + seqs]
+        self.query_start = dev_i32[: seqs + 1]
+        self.seq_lens = dev_i32[seqs + 1 : 2 * seqs + 1]
+        self.stride = dev_i32[2 * seqs + 1 : 2 * seqs + 2]
+        self.tables_offset = 2 * seqs + 2
+        tables = dev_i32[self.tables_offset :]
+        self.tables = tables[: tables.numel() // seqs * seqs].view(seqs, -1)
+
+    @property
+    def i64_used(self) -> int:
+        return 3 * self.tokens + self.seqs
+
+
+class StepGraphs:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_tokens: int,
+        max_seqs: int,
+        *,
+        max_graph_tokens: int,
+        use_graphs: bool,
+    ) -> None:
         self.runner = runner
-        self.sizes = graph_batch_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
+        self.max_seqs = max_seqs
+        self.sizes = token_buckets(max_tokens)
+        self.graph_sizes = [b for b in self.sizes if b <= max_graph_tokens] if use_graphs else []
         dev = runner.device
         bs = runner.block_size
-        self.max_blocks = -(-runner.max_model_len // bs)
-        scratch_slot = runner.scratch_block * bs
-        b = self.max_batch
-        # int64 inputs packed in one buffer so each replay needs one copy: ids, positions, slots.
-        self.host_i64 = torch.zeros((3, b), dtype=torch.int64, pin_memory=True)
-        self.dev_i64 = torch.zeros((3, b), dtype=torch.int64, device=dev)
-        self.host_i64[2].fill_(scratch_slot)
-        self.dev_i64[2].fill_(scratch_slot)
-        # int32: seq lens, then block tables row by row.
-        self.host_i32 = torch.zeros(b + b * self.max_blocks, dtype=torch.int32, pin_memory=True)
-        self.dev_i32 = torch.zeros(b + b * self.max_blocks, dtype=torch.int32, device=dev)
-        self.host_i32[:b].fill_(1)
-        self.dev_i32[:b].fill_(1)
-        self.host_tables = self.host_i32[b:].view(b, self.max_blocks)
-        self.host_tables.fill_(runner.scratch_block)
-        self.dev_i32[b:].fill_(runner.scratch_block)
-        self.query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.copied = torch.cuda.Event()
+        self.scratch_block = runner.scratch_block
+        max_s = self.seqs_for(self.sizes[-1])
+        max_width = max(-(-runner.max_model_len // bs), -(-self.sizes[-1] // bs))
+        n64 = 3 * self.sizes[-1] + max_s
+        n32 = 2 * max_s + 2 + max_s * max_width
+        self.dev_i64 = torch.zeros(n64, dtype=torch.int64, device=dev)
+        self.dev_i32 = torch.zeros(n32, dtype=torch.int32, device=dev)
+        # Two pinned host copies: one is filled while the other's copy may still be queued.
+        # (Off CUDA, for the kernels under Triton's interpreter, plain memory and no events.)
+        pin = dev.type == "cuda"
+        self.host_i64 = [torch.zeros(n64, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host_i32 = [torch.zeros(n32, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.copied = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self.turn = 0
+        self.buffers = {
+            b: StepBuffers(self.dev_i64, self.dev_i32, b, self.seqs_for(b)) for b in self.sizes
+        }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
 
-    def fits(self, plan: StepPlan) -> bool:
-        return (
-            bool(self.graphs)
-            and plan.decode_only
-            and plan.num_tokens <= self.max_batch
-            and (len(plan.sampling_requests) == plan.num_tokens)
+    def seqs_for(self, tokens: int) -> int:
+        """Sequence slots of a padded size: every real sequence, plus the padding one."""
+        return min(tokens, self.max_seqs) + 1
+
+    def bucket(self, num_tokens: int) -> int:
+        return next(b for b in self.sizes if b >= num_tokens)
+
+    # ------------------------------------------------------------------ inputs
+    def _stage(self, plan: StepPlan | None, size: int) -> AttentionMetadata:
+        """Write the step (or, with no plan, an all-padding step) into the static buffers."""
+        buf = self.buffers[size]
+        n = 0 if plan is None else plan.num_tokens
+        s = 0 if plan is None else plan.num_seqs
+        pad = size - n
+        bs = self.runner.block_size
+        slot = self.turn
+        self.turn ^= 1
+        event = self.copied[slot]
+        if event is not None:
+            event.synchronize()  # this host copy's previous transfer has been read
+        h64 = self.host_i64[slot].numpy()
+        h32 = self.host_i32[slot].numpy()
+        width = max(1 if plan is None else plan.block_tables.shape[1], -(-pad // bs))
+        rows = 0 if plan is None else len(plan.logits_rows)
+        t, q = size, buf.seqs
+        if plan is not None:
+            h64[:n] = plan.input_ids
+            h64[t : t + n] = plan.positions
+            h64[2 * t : 2 * t + n] = plan.slots
+            h64[3 * t : 3 * t + rows] = plan.logits_rows
+            h32[: s + 1] = plan.query_start
+            h32[q + 1 : q + 1 + s] = plan.seq_lens
+        h32[0] = 0
+        h64[n:t] = 0
+        h64[t + n : 2 * t] = 0
+        h64[2 * t + n : 3 * t] = self.scratch_block * bs + np.arange(pad) % bs
+        h64[3 * t + rows : 3 * t + q] = 0
+        h32[s + 1 : q + 1] = size  # the padding sequence ends the step; empty slots after it
+        h32[q + 1 + s] = pad
+        h32[q + 2 + s : 2 * q + 1] = 0
+        h32[2 * q + 1] = width
+        tables = h32[buf.tables_offset : buf.tables_offset + q * width].reshape(q, width)
+        if plan is not None:
+            tables[:s, : plan.block_tables.shape[1]] = plan.block_tables
+            tables[:s, plan.block_tables.shape[1] :] = 0
+        tables[s:] = self.scratch_block
+        used32 = buf.tables_offset + q * width
+        self.dev_i64[: buf.i64_used].copy_(self.host_i64[slot][: buf.i64_used], non_blocking=True)
+        self.dev_i32[:used32].copy_(self.host_i32[slot][:used32], non_blocking=True)
+        if event is not None:
+            event.record()
+        q_lens = np.diff(plan.query_start) if plan is not None and s else np.zeros(0, np.int64)
+        lens = np.append(q_lens, pad) if pad else q_lens
+        return self._meta(
+            size,
+            max_query_len=int(lens.max()) if lens.size else 0,
+            min_query_len=int(lens.min()) if lens.size else 0,
         )
 
-    def _meta(self, batch: int) -> AttentionMetadata:
-        b = self.max_batch
+    def _meta(self, size: int, *, max_query_len: int, min_query_len: int) -> AttentionMetadata:
+        buf = self.buffers[size]
         return AttentionMetadata(
-            slot_mapping=self.dev_i64[2, :batch],
-            query_start_loc=self.query_start[: batch + 1],
-            seq_lens=self.dev_i32[:batch],
-            block_tables=self.dev_i32[b:].view(b, self.max_blocks)[:batch],
-            max_query_len=1,
+            slot_mapping=buf.slots,
+            query_start_loc=buf.query_start,
+            seq_lens=buf.seq_lens,
+            block_tables=buf.tables,
+            max_query_len=max_query_len,
             max_seq_len=self.runner.max_model_len,
             block_size=self.runner.block_size,
-            query_start_loc_host=list(range(batch + 1)),
-            seq_lens_host=[1] * batch,
+            query_start_loc_host=[],
+            seq_lens_host=[],
+            min_query_len=min_query_len,
+            block_table_stride=buf.stride,
         )
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of every sequence slot's sampled row: ``[seqs_for(size), vocab]``."""
+        buf = self.buffers[size]
         model = self.runner.model
-        with forward_context(self._meta(batch)):
-            hidden = model(self.dev_i64[0, :batch], self.dev_i64[1, :batch])
-        return model.compute_logits(hidden)
+        with forward_context(meta):
+            hidden = model(buf.ids, buf.positions)
+        return model.compute_logits(hidden[buf.rows])
 
+    # ----------------------------------------------------------------- capture
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first so smaller ones share its memory pool.
+        """Capture the graph sizes, largest first so smaller ones share its memory pool,
+        and compile the kernels of the eager sizes, so no step compiles anything.
 
         No garbage collection while capturing: an earlier engine's runner
         (a reference cycle) freed mid-capture releases CUDA resources, which a
@@ -98,50 +211,34 @@ class DecodeGraphs:
         gc.collect()
         gc.disable()
         try:
-            self._capture_all()
+            for size in reversed(self.graph_sizes):
+                # Warm up outside the graph: kernels compiled and autotuned first.
+                self._forward(size, self._stage(None, size))
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                meta = self._meta(size, max_query_len=size, min_query_len=1)
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[size] = self._forward(size, meta)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[size] = graph
+            for size in self.sizes:
+                if size not in self.graphs:
+                    self._forward(size, self._stage(None, size))
+            torch.cuda.synchronize()
         finally:
             gc.enable()
 
-    def _capture_all(self) -> None:
-        for batch in reversed(self.sizes):
-            self._forward(batch)  # warm up: kernels compiled and autotuned outside the graph
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[batch] = self._forward(batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = graph
-        torch.cuda.synchronize()
-
+    # --------------------------------------------------------------------- run
     def run(self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        n = plan.num_tokens
-        batch = next(s for s in self.sizes if s >= n)
-        b = self.max_batch
-        width = plan.block_tables.shape[1]
-        # The previous replay's input copy must be done before the staging buffers change.
-        self.copied.synchronize()
-        host = self.host_i64.numpy()
-        host[0, :n] = plan.input_ids
-        host[1, :n] = plan.positions
-        host[2, :n] = plan.slots
-        # Padding rows: token 0 at position 0, writing to the scratch block.  Stale
-        # staging values (a placeholder's -1 from an earlier step) must not leak in.
-        host[0, n:batch] = 0
-        host[1, n:batch] = 0
-        host[2, n:batch] = self.runner.scratch_block * self.runner.block_size
-        host32 = self.host_i32.numpy()
-        host32[:n] = plan.seq_lens
-        host32[n:batch] = 1
-        tables = self.host_tables.numpy()
-        tables[:n, :width] = plan.block_tables
-        tables[n:batch, 0] = self.runner.scratch_block
-        self.dev_i64[:, :batch].copy_(self.host_i64[:, :batch], non_blocking=True)
-        rows = batch * self.max_blocks
-        self.dev_i32[:batch].copy_(self.host_i32[:batch], non_blocking=True)
-        self.dev_i32[b : b + rows].copy_(self.host_i32[b : b + rows], non_blocking=True)
-        self.copied.record()
+        """Logits of the plan's sampling rows (``[len(plan.logits_rows), vocab]``)."""
+        size = self.bucket(plan.num_tokens)
+        meta = self._stage(plan, size)
         if fill is not None:
-            self.dev_i64[0].index_copy_(0, *fill)
-        self.graphs[batch].replay()
-        return self.logits[batch][:n]
+            self.buffers[size].ids.index_copy_(0, *fill)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            logits = self.logits[size]
+        else:
+            logits = self._forward(size, meta)
+        return logits[: len(plan.logits_rows)]

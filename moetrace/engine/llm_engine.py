@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -12,7 +13,8 @@ from moetrace.capture.manager import RoutedExpertsCache, RoutedExpertsManager
 from moetrace.config import EngineConfig
 from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
-from moetrace.engine.model_runner import LaunchedStep, ModelRunner
+from moetrace.engine.model_runner import LaunchedStep, ModelRunner, set_kernel_paths
+from moetrace.engine.precompile import precompile
 from moetrace.engine.request import Request, RequestStatus, TokenLogprob
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.scheduler import Scheduler
@@ -30,6 +32,27 @@ class RequestRejected(MoetraceError):
         self.field = field
         self.problem = problem
         super().__init__(problem)
+
+
+@dataclass
+class StartupTimes:
+    """Where the engine's start-up went, in seconds (``record`` prints it)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    kernel_variants: int = 0  # compiled (or loaded from Triton's cache) ahead of the first step
+
+    def clock(self) -> Callable[[str], None]:
+        """A function that books the time since its previous call under a name."""
+        last = [time.perf_counter()]
+
+        def book(name: str) -> None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.seconds[name] = self.seconds.get(name, 0.0) + now - last[0]
+            last[0] = now
+
+        return book
 
 
 @dataclass
@@ -82,9 +105,18 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        self.startup = StartupTimes()
+        clock = self.startup.clock()
+        # Kernel paths first, so the memory profile measures (and compiles) what the steps run.
+        set_kernel_paths(model, device.type == "cuda" and config.use_kernels)
+        report = precompile(model, config, device, self.max_model_len)
+        if report is not None:
+            self.startup.kernel_variants = report.variants
+            clock("kernel_compile")
         num_blocks = config.num_kv_blocks or plan_num_blocks(
             model, config, device, self.max_model_len
         )
+        clock("kv_sizing")
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -110,7 +142,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, config, num_blocks, device, max_model_len=self.max_model_len
         )
+        clock("kv_allocation")
         self.runner.capture_graphs()
+        clock("graph_capture")
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._samples: dict[str, list[str]] = {}  # prompt id -> its unfinished samples' ids

@@ -15,7 +15,7 @@ from moetrace.distributed.state import get_parallel_state
 from moetrace.forward_context import AttentionMetadata, forward_context
 from moetrace.models.base import MoEForCausalLM
 
-GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' own pool, measured well under this
+GRAPH_RESERVE_BYTES = 512 << 20  # CUDA graphs' own pool beyond their share of the peak
 
 
 def kv_bytes_per_block(model: MoEForCausalLM, block_size: int) -> int:
@@ -65,6 +65,7 @@ def profile_peak_activation_bytes(
         block_size=bs,
         query_start_loc_host=starts,
         seq_lens_host=lens,
+        min_query_len=min(lens),
     )
     ids = torch.randint(0, model.vocab_size, (tokens,), device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
@@ -94,7 +95,11 @@ def plan_num_blocks(
     peak = profile_peak_activation_bytes(model, config, device, max_model_len)
     _free, total = torch.cuda.mem_get_info(device)
     in_use = torch.cuda.memory_allocated(device)
-    budget = int(total * config.gpu_memory_utilization) - in_use - peak - GRAPH_RESERVE_BYTES
+    # The graphs' pool holds the activations of the largest captured step, about
+    # its share of the profiled peak (activations grow with the token count).
+    graph_share = min(1.0, config.max_cudagraph_capture_size / config.max_num_batched_tokens)
+    graphs = 0 if config.enforce_eager else int(peak * graph_share) + GRAPH_RESERVE_BYTES
+    budget = int(total * config.gpu_memory_utilization) - in_use - peak - graphs
     return _agree(max(1, min(enough_for_all, budget // per_block)))
 
 

@@ -1,8 +1,9 @@
 """Runs one scheduled step on the model: inputs, forward, logits, sampling, capture.
 
-Inputs come from a host-side ``StepPlan``.  Decode-only steps on CUDA replay a
-captured graph for the smallest captured batch size that fits (padding rows
-write to a scratch KV block); everything else runs eagerly.  Routing rows
+Inputs come from a host-side ``StepPlan``.  When every layer runs on the CUDA
+kernels, each step runs at a padded size and replays the CUDA graph captured
+for it (``cuda_graphs.StepGraphs``); otherwise (the CPU, the plain-torch
+layers, tensor parallelism) it runs eagerly at its own size.  Routing rows
 leave the device through ``RoutingTransfer`` without a host sync.
 """
 
@@ -18,7 +19,7 @@ from moetrace.capture.transfer import RoutingTransfer
 from moetrace.capture.types import RoutedExpertsLists
 from moetrace.config import EngineConfig
 from moetrace.distributed.state import get_parallel_state
-from moetrace.engine.cuda_graphs import DecodeGraphs
+from moetrace.engine.cuda_graphs import StepGraphs
 from moetrace.engine.request import TokenLogprob
 from moetrace.engine.sampler import Logprobs, SamplingBatch, sample, token_logprobs
 from moetrace.engine.sampling_inputs import SamplingInputs
@@ -62,6 +63,23 @@ class LaunchedStep:
         }
 
 
+def set_kernel_paths(model: MoEForCausalLM, use_kernels: bool) -> None:
+    """Turn each module's kernel path on where a kernel serves it.
+
+    Some kernels are for 16-bit weights only (the fused-MoE tiles are tuned
+    for them; the norm kernel rounds like the plain path only there): with
+    float32 or float64 those modules take the plain path (no graphs then).
+    """
+    dtype = next(model.parameters()).dtype
+    half = dtype in (torch.bfloat16, torch.float16)
+    for module in model.modules():
+        if hasattr(module, "use_triton"):
+            capable = getattr(module, "kernel_capable", True)
+            if getattr(module, "kernel_half_only", False):
+                capable = capable and half
+            module.use_triton = use_kernels and capable
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -81,7 +99,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.use_kernels = device.type == "cuda" and config.use_kernels
         self.parallel = get_parallel_state()  # None unless tensor parallel (then rank 0 drives)
-        self._set_kernel_paths()
+        set_kernel_paths(model, self.use_kernels)
         # One block past those the block manager hands out: where padding rows write.
         self.scratch_block = num_blocks
         self._allocate_kv_cache(num_blocks + 1)
@@ -110,26 +128,18 @@ class ModelRunner:
             self.capturer = wrap_capturer(self.capturer, self.parallel)
         self._binding = object()  # marks the model as holding this runner's caches
         self.bind()
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         # The plain-torch paths read host-side lengths and counts, which a graph would freeze.
         all_kernel = all(m.use_triton for m in model.modules() if hasattr(m, "use_triton"))
         # Tensor parallel runs eager: graphs with collectives inside are untested (docs/distributed.md).
-        if self.use_kernels and all_kernel and not config.enforce_eager and self.parallel is None:
-            self.graphs = DecodeGraphs(
-                self, max_batch=min(config.max_num_seqs, config.max_num_batched_tokens)
+        if self.use_kernels and all_kernel and self.parallel is None:
+            self.graphs = StepGraphs(
+                self,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                max_graph_tokens=config.max_cudagraph_capture_size,
+                use_graphs=not config.enforce_eager,
             )
-
-    def _set_kernel_paths(self) -> None:
-        # Some kernels are for 16-bit weights only (the fused-MoE tiles are tuned
-        # for them; the norm kernel rounds like the plain path only there): with
-        # float32 or float64 those modules take the plain path (no graphs then).
-        half = self.dtype in (torch.bfloat16, torch.float16)
-        for module in self.model.modules():
-            if hasattr(module, "use_triton"):
-                capable = getattr(module, "kernel_capable", True)
-                if getattr(module, "kernel_half_only", False):
-                    capable = capable and half
-                module.use_triton = self.use_kernels and capable
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # A slot is read only after it was written, so the CPU cache need not be
@@ -179,7 +189,7 @@ class ModelRunner:
         if self.parallel is not None:  # the workers start the same step from its host inputs
             publish_step(self.parallel, plan, fill_index)
         fill = self._stage_fill(fill_index, previous)
-        if self.graphs is not None and self.graphs.fits(plan):
+        if self.graphs is not None:
             logits = self.graphs.run(plan, fill)
         else:
             logits = self._run_eager(plan, fill)

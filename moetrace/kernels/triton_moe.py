@@ -56,7 +56,9 @@ def padded_rows_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-@triton.jit
+# Sizes that follow the step's token count are not specialised on (divisibility by 16,
+# equality to 1): each step size would otherwise compile its own variant mid-run.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "num_rows"])
 def _align_plan_kernel(
     ids_ptr,
     cursor_ptr,
@@ -104,7 +106,7 @@ def _align_plan_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "stride_capture"])
 def _align_scatter_kernel(
     ids_ptr,
     cursor_ptr,
@@ -234,7 +236,7 @@ def _tile_ids(pid, num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -306,7 +308,7 @@ def _gate_up_kernel(
     tl.store(h_ptrs, out.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(
     h_ptr,
     w_ptr,

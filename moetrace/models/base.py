@@ -41,6 +41,7 @@ class MoEForCausalLM(nn.Module):
     moe_layer_indices: list[int]
     vocab_size: int
     max_model_len: int
+    hf_config: dict | None = None  # the checkpoint's config.json, as built from
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -91,6 +91,7 @@ def instantiate(
             model = build_model(config, source)
     finally:
         torch.set_default_dtype(previous)
+    model.hf_config = config  # what a few-layer copy for kernel warm-up is built from
     return model.eval()
 
 
