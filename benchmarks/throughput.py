@@ -1,10 +1,14 @@
 """Output tokens/s of moetrace (capture on and off) and transformers, side by side on one GPU.
 
 Same random prompts for every engine, greedy, EOS ignored so every request
-generates exactly ``--output-len`` tokens.  Weights are random (``dummy``) in
-the shapes of real checkpoints (``benchmarks/configs/*.json``).
+generates exactly its output length.  Weights are random (``dummy``) in the
+shapes of real checkpoints (``benchmarks/configs/*.json``).  ``--workload``
+picks uniform lengths (the default: ``--prompt-len`` -> ``--output-len``),
+mixed or long-tail ones (``benchmarks/workloads.py``); transformers runs on
+the uniform workload only (its batch APIs take one output length).
 
     python benchmarks/throughput.py --config qwen3-30b-a3b --config olmoe-1b-7b
+    python benchmarks/throughput.py --workload mixed --num-prompts 2048 --hf ''
 
 Prints a table and writes the figures as JSON (``--out``).
 """
@@ -27,6 +31,9 @@ from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
 from moetrace.models.loader import load_model
 
+sys.path.insert(0, str(Path(__file__).parent))
+import workloads  # noqa: E402
+
 CONFIGS = Path(__file__).parent / "configs"
 
 
@@ -38,11 +45,6 @@ def sync() -> None:
 def device() -> torch.device:
     """CUDA for real figures; the CPU only to smoke-test this script on a tiny config."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(100, vocab - 100, size=(count, length)).tolist()
 
 
 def hbm_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
@@ -68,16 +70,16 @@ def make_engine(model, capture: bool, args, num_blocks: int) -> LLMEngine:
         num_kv_blocks=num_blocks,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
     )
     return LLMEngine(model, config, device())
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
     sync()
     start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params, index=i)
+    for i, (ids, n) in enumerate(zip(prompts, output_lens, strict=True)):
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=n, ignore_eos=True), index=i)
     finished = []
     marks = [time.perf_counter()]
     while engine.has_unfinished():
@@ -86,12 +88,12 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
     sync()
     elapsed = time.perf_counter() - start
     out_tokens = sum(f.output_len for f in finished)
-    assert out_tokens == len(prompts) * output_len
+    assert out_tokens == sum(output_lens)
     return {
         "seconds": elapsed,
         "output_tokens": out_tokens,
         "tok_s": out_tokens / elapsed,
-        **phases(np.diff(marks), len(prompts) * len(prompts[0]), engine.config),
+        **phases(np.diff(marks), sum(map(len, prompts)), engine.config),
     }
 
 
@@ -117,6 +119,7 @@ def decode_step_profile(engine: LLMEngine, model, batch: int) -> dict:
     graphs = engine.runner.graphs
     if graphs is None or batch not in graphs.graphs:
         return {}
+    # The graph replays the last step staged at this size: a decode step of `batch` sequences.
     graph = graphs.graphs[batch]
     for _ in range(3):
         graph.replay()
@@ -145,19 +148,19 @@ def decode_step_profile(engine: LLMEngine, model, batch: int) -> dict:
             else block.experts.num_experts
         )
         touched += used * per_expert
-    seq_lens = graphs.dev_i32[:batch].cpu().numpy()
+    seq_lens = graphs.buffers[batch].seq_lens[:batch].cpu().numpy()
     kv_per_token = sum(2 * a.num_kv_heads * a.head_dim * item for a in model.attention_layers())
     kv_bytes = int(seq_lens.sum()) * kv_per_token
     return {"step_ms": step_s * 1e3, "weight_bytes": touched, "kv_bytes": kv_bytes}
 
 
-def bench_moetrace(name: str, config: dict, prompts, args, results: dict) -> None:
+def bench_moetrace(name: str, config: dict, prompts, output_lens, args, results: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         dtype = "bfloat16" if device().type == "cuda" else "float32"
         loaded = load_model(tmp, device=device(), dtype=dtype, load_format="dummy")
     model = loaded.model
-    tokens_per_seq = args.prompt_len + args.output_len
+    tokens_per_seq = max(len(p) + n for p, n in zip(prompts, output_lens, strict=True))
     num_blocks = args.max_num_seqs * -(-tokens_per_seq // 16) + 64
     t0 = time.perf_counter()
     engines = {"capture": make_engine(model, True, args, num_blocks)}
@@ -169,13 +172,14 @@ def bench_moetrace(name: str, config: dict, prompts, args, results: dict) -> Non
     # this once (Triton then caches it on disk); reported apart as warmup_s.
     warm_s = {}
     for mode, engine in engines.items():
-        warm_s[mode] = run_batch(engine, prompts, args.warmup_tokens)["seconds"]
+        warm = [args.warmup_tokens] * len(prompts)
+        warm_s[mode] = run_batch(engine, prompts, warm)["seconds"]
     runs: dict[str, list[float]] = {"capture": [], "no-capture": []}
     breakdowns: dict[str, list[dict]] = {"capture": [], "no-capture": []}
     for repeat in range(args.repeats):
         order = list(engines.items())
         for mode, engine in order if repeat % 2 == 0 else order[::-1]:  # neither always first
-            run = run_batch(engine, prompts, args.output_len)
+            run = run_batch(engine, prompts, output_lens)
             runs[mode].append(run["tok_s"])
             breakdowns[mode].append({k: v for k, v in run.items() if k != "tok_s"})
             print(
@@ -260,9 +264,7 @@ def main() -> None:
     parser.add_argument(
         "--config", action="append", help="name under benchmarks/configs (repeatable)"
     )
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
+    workloads.add_workload_arguments(parser, num_prompts=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=2)
@@ -273,6 +275,7 @@ def main() -> None:
         help="output tokens of each engine's unmeasured warm-up run over all prompts",
     )
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-cudagraph-capture-size", type=int, default=2048)
     parser.add_argument(
         "--hf", default="generate_batch,generate", help="transformers paths to run ('' for none)"
     )
@@ -301,10 +304,10 @@ def main() -> None:
     all_results = {"env": env, "configs": {}}
     for name in names:
         config = json.loads((CONFIGS / f"{name}.json").read_text())
-        prompts = random_prompts(args.num_prompts, args.prompt_len, config["vocab_size"], seed=0)
-        results: dict = {}
-        bench_moetrace(name, config, prompts, args, results)
-        if args.hf:
+        prompts, output_lens = workloads.prompts(args, config["vocab_size"])
+        results: dict = {"workload": args.workload}
+        bench_moetrace(name, config, prompts, output_lens, args, results)
+        if args.hf and args.workload == "uniform":
             bench_transformers(name, config, prompts, args, results)
         all_results["configs"][name] = results
         if args.out:

@@ -1,0 +1,55 @@
+"""Prompt and output lengths of the benchmark workloads, seeded, shared by the benchmarks.
+
+- ``uniform``: every prompt ``prompt_len`` tokens, every output ``output_len``;
+- ``mixed``: prompt and output lengths uniform in ``[lo, hi]`` ranges (by
+  default 64-448 and 64-192, the same means as the uniform 256 -> 128);
+- ``longtail``: log-normal lengths around the same means, clipped to
+  ``[8, 4 x mean]`` prompts and ``[4, 4 x mean]`` outputs, like chat logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+WORKLOADS = ("uniform", "mixed", "longtail")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, num_prompts: int) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="uniform")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--prompt-len", type=int, default=256, help="uniform (and longtail mean)")
+    parser.add_argument("--output-len", type=int, default=128, help="uniform (and longtail mean)")
+    parser.add_argument("--prompt-range", default="64-448", help="mixed: prompt lengths lo-hi")
+    parser.add_argument("--output-range", default="64-192", help="mixed: output lengths lo-hi")
+    parser.add_argument("--workload-seed", type=int, default=0)
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split("-"))
+    return lo, hi
+
+
+def lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, output lengths) of the workload, one pair per request."""
+    n = args.num_prompts
+    rng = np.random.default_rng(args.workload_seed)
+    if args.workload == "uniform":
+        return np.full(n, args.prompt_len), np.full(n, args.output_len)
+    if args.workload == "mixed":
+        (plo, phi), (olo, ohi) = _range(args.prompt_range), _range(args.output_range)
+        return rng.integers(plo, phi + 1, n), rng.integers(olo, ohi + 1, n)
+    p = rng.lognormal(np.log(args.prompt_len) - 0.5, 1.0, n)
+    o = rng.lognormal(np.log(args.output_len) - 0.5, 1.0, n)
+    p = np.clip(p, 8, 4 * args.prompt_len).astype(int)
+    o = np.clip(o, 4, 4 * args.output_len).astype(int)
+    return p, o
+
+
+def prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """Random token ids for each prompt (seeded), and each request's output length."""
+    prompt_lens, output_lens = lengths(args)
+    rng = np.random.default_rng(args.workload_seed + 1)
+    ids = [rng.integers(100, vocab_size - 100, int(n)).tolist() for n in prompt_lens]
+    return ids, [int(o) for o in output_lens]
