@@ -51,31 +51,44 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes
 
 
+def _up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 class StepBuffers:
     """Static device inputs for one padded size, as views of the shared buffers.
 
     int64: ids, positions, slots (``B`` each), logits rows (``S``); int32:
     query starts (``S + 1``), sequence lengths (``S``), the tables' row stride,
     then the block tables at the step's own width.  Each run copies only the
-    used prefix of each buffer, in one copy per buffer.
+    used prefix of each buffer, in one copy per buffer.  Every view starts on
+    a 16-byte boundary, as a tensor of its own would: Triton compiles a variant
+    per pointer alignment, and the sizes should all share one.
     """
 
     def __init__(self, dev_i64: torch.Tensor, dev_i32: torch.Tensor, tokens: int, seqs: int):
         self.tokens, self.seqs = tokens, seqs
+        t = _up(tokens, 2)
         self.ids = dev_i64[:tokens]
-        self.positions = dev_i64[tokens : 2 * tokens]
-        self.slots = dev_i64[2 * tokens : 3 * tokens]
-        self.rows = dev_i64[3 * tokens : 3 * tokens + seqs]
+        self.positions = dev_i64[t : t + tokens]
+        self.slots = dev_i64[2 * t : 2 * t + tokens]
+        self.rows = dev_i64[3 * t : 3 * t + seqs]
+        self.i64 = {"ids": 0, "positions": t, "slots": 2 * t, "rows": 3 * t}
+        self.i64_used = 3 * t + seqs
+        lens = _up(seqs + 1, 4)
+        stride = lens + _up(seqs, 4)
+        self.tables_offset = stride + 4
+        self.i32 = {"query_start": 0, "seq_lens": lens, "stride": stride}
         self.query_start = dev_i32[: seqs + 1]
-        self.seq_lens = dev_i32[seqs + 1 : 2 * seqs + 1]
-        self.stride = dev_i32[2 * seqs + 1 : 2 * seqs + 2]
-        self.tables_offset = 2 * seqs + 2
+        self.seq_lens = dev_i32[lens : lens + seqs]
+        self.stride = dev_i32[stride : stride + 1]
         tables = dev_i32[self.tables_offset :]
         self.tables = tables[: tables.numel() // seqs * seqs].view(seqs, -1)
 
-    @property
-    def i64_used(self) -> int:
-        return 3 * self.tokens + self.seqs
+    @staticmethod
+    def capacity(tokens: int, seqs: int, width: int) -> tuple[int, int]:
+        """(int64, int32) elements the largest size needs."""
+        return 3 * _up(tokens, 2) + seqs, _up(seqs + 1, 4) + _up(seqs, 4) + 4 + seqs * width
 
 
 class StepGraphs:
@@ -97,8 +110,7 @@ class StepGraphs:
         self.scratch_block = runner.scratch_block
         max_s = self.seqs_for(self.sizes[-1])
         max_width = max(-(-runner.max_model_len // bs), -(-self.sizes[-1] // bs))
-        n64 = 3 * self.sizes[-1] + max_s
-        n32 = 2 * max_s + 2 + max_s * max_width
+        n64, n32 = StepBuffers.capacity(self.sizes[-1], max_s, max_width)
         self.dev_i64 = torch.zeros(n64, dtype=torch.int64, device=dev)
         self.dev_i32 = torch.zeros(n32, dtype=torch.int32, device=dev)
         # Two pinned host copies: one is filled while the other's copy may still be queued.
@@ -139,23 +151,25 @@ class StepGraphs:
         h32 = self.host_i32[slot].numpy()
         width = max(1 if plan is None else plan.block_tables.shape[1], -(-pad // bs))
         rows = 0 if plan is None else len(plan.logits_rows)
-        t, q = size, buf.seqs
+        q = buf.seqs
+        ids, pos, slots, logit_rows = (buf.i64[k] for k in ("ids", "positions", "slots", "rows"))
+        starts, lens, stride = (buf.i32[k] for k in ("query_start", "seq_lens", "stride"))
         if plan is not None:
-            h64[:n] = plan.input_ids
-            h64[t : t + n] = plan.positions
-            h64[2 * t : 2 * t + n] = plan.slots
-            h64[3 * t : 3 * t + rows] = plan.logits_rows
-            h32[: s + 1] = plan.query_start
-            h32[q + 1 : q + 1 + s] = plan.seq_lens
-        h32[0] = 0
-        h64[n:t] = 0
-        h64[t + n : 2 * t] = 0
-        h64[2 * t + n : 3 * t] = self.scratch_block * bs + np.arange(pad) % bs
-        h64[3 * t + rows : 3 * t + q] = 0
-        h32[s + 1 : q + 1] = size  # the padding sequence ends the step; empty slots after it
-        h32[q + 1 + s] = pad
-        h32[q + 2 + s : 2 * q + 1] = 0
-        h32[2 * q + 1] = width
+            h64[ids : ids + n] = plan.input_ids
+            h64[pos : pos + n] = plan.positions
+            h64[slots : slots + n] = plan.slots
+            h64[logit_rows : logit_rows + rows] = plan.logits_rows
+            h32[starts : starts + s + 1] = plan.query_start
+            h32[lens : lens + s] = plan.seq_lens
+        h32[starts] = 0
+        h64[ids + n : ids + size] = 0
+        h64[pos + n : pos + size] = 0
+        h64[slots + n : slots + size] = self.scratch_block * bs + np.arange(pad) % bs
+        h64[logit_rows + rows : logit_rows + q] = 0
+        h32[starts + s + 1 : starts + q + 1] = size  # the padding sequence ends the step
+        h32[lens + s] = pad
+        h32[lens + s + 1 : lens + q] = 0
+        h32[stride] = width
         tables = h32[buf.tables_offset : buf.tables_offset + q * width].reshape(q, width)
         if plan is not None:
             tables[:s, : plan.block_tables.shape[1]] = plan.block_tables
@@ -167,11 +181,11 @@ class StepGraphs:
         if event is not None:
             event.record()
         q_lens = np.diff(plan.query_start) if plan is not None and s else np.zeros(0, np.int64)
-        lens = np.append(q_lens, pad) if pad else q_lens
+        q_lens = np.append(q_lens, pad) if pad else q_lens
         return self._meta(
             size,
-            max_query_len=int(lens.max()) if lens.size else 0,
-            min_query_len=int(lens.min()) if lens.size else 0,
+            max_query_len=int(q_lens.max()) if q_lens.size else 0,
+            min_query_len=int(q_lens.min()) if q_lens.size else 0,
         )
 
     def _meta(self, size: int, *, max_query_len: int, min_query_len: int) -> AttentionMetadata:
