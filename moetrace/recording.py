@@ -87,6 +87,7 @@ class RecordResult:
     dropped_in_flight: int = 0  # unfinished when the run stopped early; a resume redoes them
     startup: dict[str, float] = field(default_factory=dict)  # seconds by phase, before step 1
     kernel_variants: int = 0
+    late_compiles: int = 0  # kernel variants compiled one by one during start-up
 
 
 def check_supported(*, pipeline_parallel_size: int = 1, cpu_offload_gb: float = 0.0) -> None:
@@ -454,6 +455,7 @@ class Recording:
         result = RecordResult(self.output)
         result.startup = {**startup, **engine.startup.seconds}
         result.kernel_variants = engine.startup.kernel_variants
+        result.late_compiles = len(engine.startup.late_compiles)
         window = max(2 * self.engine_config.max_num_seqs, 64)
         errors: list[InputError] = []
         intake = Intake(self._specs(errors), threaded=self.streaming, read_ahead=window)

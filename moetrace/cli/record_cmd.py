@@ -281,6 +281,8 @@ def _summarise(result: RecordResult, console: Console, *, startup: bool) -> None
             if result.kernel_variants
             else ""
         )
+        if result.late_compiles:
+            variants += f", {result.late_compiles} compiled one by one"
         console.print(
             f"start-up {sum(result.startup.values()):.1f} s: {parts}{variants}",
             highlight=False,

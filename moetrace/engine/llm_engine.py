@@ -14,7 +14,7 @@ from moetrace.config import EngineConfig
 from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
 from moetrace.engine.model_runner import LaunchedStep, ModelRunner, set_kernel_paths
-from moetrace.engine.precompile import precompile
+from moetrace.engine.precompile import count_compiles, precompile
 from moetrace.engine.request import Request, RequestStatus, TokenLogprob
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.scheduler import Scheduler
@@ -40,6 +40,7 @@ class StartupTimes:
 
     seconds: dict[str, float] = field(default_factory=dict)
     kernel_variants: int = 0  # compiled (or loaded from Triton's cache) ahead of the first step
+    late_compiles: list[str] = field(default_factory=list)  # compiled in-process, by phase
 
     def clock(self) -> Callable[[str], None]:
         """A function that books the time since its previous call under a name."""
@@ -107,6 +108,24 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         self.startup = StartupTimes()
         clock = self.startup.clock()
+        with count_compiles(self.startup.late_compiles):
+            self._start(model, config, device, clock)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._samples: dict[str, list[str]] = {}  # prompt id -> its unfinished samples' ids
+        self.async_scheduling = (
+            device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        )
+        self._in_flight: LaunchedStep | None = None
+
+    def _start(
+        self,
+        model: MoEForCausalLM,
+        config: EngineConfig,
+        device: torch.device,
+        clock: Callable[[str], None],
+    ) -> None:
+        """Kernels, KV cache, scheduler, runner and graphs, each phase booked on ``clock``."""
         # Kernel paths first, so the memory profile measures (and compiles) what the steps run.
         set_kernel_paths(model, device.type == "cuda" and config.use_kernels)
         report = precompile(model, config, device, self.max_model_len)
@@ -145,13 +164,6 @@ class LLMEngine:
         clock("kv_allocation")
         self.runner.capture_graphs()
         clock("graph_capture")
-        self.stats = EngineStats()
-        self._requests: dict[str, Request] = {}
-        self._samples: dict[str, list[str]] = {}  # prompt id -> its unfinished samples' ids
-        self.async_scheduling = (
-            device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
-        )
-        self._in_flight: LaunchedStep | None = None
 
     # --------------------------------------------------------------- requests
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:

@@ -5,13 +5,15 @@ half a second each.  A recording's padded step sizes need a few dozen
 variants (OLMoE-1B-7B: 37, 17.5 s on the H200 machine's first run; a second
 run loads them from Triton's on-disk cache in well under a second).
 
-So the engine first dry-runs every step size on a copy of the model cut to a
-few layers (the same widths, uninitialised weights): Triton's
+So the engine first dry-runs every step size on a copy of the model cut to
+two routed layers (the same widths, uninitialised weights): Triton's
 ``jit_cache_hook`` records each variant a launch asks for and skips both its
 compilation and the launch.  Worker processes, forked before the weights load,
 compile the recorded variants into the on-disk cache side by side; the
 engine's own warm-up and graph capture then only load them.  Variants the dry
-run missed still compile on first use, as before.
+run missed still compile on first use, as before (``late_compiles`` counts
+them).  The list of variants is kept beside Triton's cache, keyed by the
+model's shape and the engine settings, so a later run skips the dry run.
 
 Compilation needs no GPU (Triton targets the device named), so the workers
 never touch CUDA, and forking them after the parent initialised CUDA is safe.
@@ -20,13 +22,16 @@ never touch CUDA, and forking them after the parent initialised CUDA is safe.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
 import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +66,10 @@ class PrecompileReport:
     variants: int
     seconds: float
     failed: int
+    dry_run: bool  # False: the variant list came from an earlier run
 
 
-def skeleton_config(config: dict, keep: int = 4) -> dict:
+def skeleton_config(config: dict, keep: int = 2) -> dict:
     """``config`` cut to its first few layers: every per-layer list cut alike, at least
     two routed layers kept where the model has them (dense leading layers count extra)."""
     layers = int(config.get("num_hidden_layers", 1))
@@ -76,6 +82,28 @@ def skeleton_config(config: dict, keep: int = 4) -> dict:
     if isinstance(config.get("mlp_only_layers"), list):
         small["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < keep]
     return small
+
+
+@contextmanager
+def count_compiles(names: list[str]) -> Iterator[None]:
+    """Append the name of every kernel variant compiled in this process meanwhile; loads
+    from Triton's on-disk cache do not count."""
+    try:
+        import triton
+    except ImportError:  # the CPU machines run without Triton
+        yield
+        return
+
+    def record(*, src, cache_hit: bool, **_kwargs) -> None:
+        if not cache_hit:
+            names.append(getattr(src, "name", "?"))
+
+    previous = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = record
+    try:
+        yield
+    finally:
+        triton.knobs.compilation.listener = previous
 
 
 def collect_variants(forwards) -> dict[tuple[str, str, str], str]:
@@ -141,18 +169,63 @@ def compile_in_workers(variants: dict[tuple[str, str, str], str], device: torch.
 
 
 def precompile(model, config, device: torch.device, max_model_len: int) -> PrecompileReport | None:
-    """Dry-run every padded step size on a few-layer copy of ``model`` and compile the
-    variants in the workers.  None when no workers run or the model takes no graphs."""
+    """Compile, in the workers, every variant the padded steps of ``model`` launch.
+    None when no workers run or the model takes no graphs."""
     hf_config = getattr(model, "hf_config", None)
     if _POOL is None or hf_config is None or device.type != "cuda":
         return None
     start = time.perf_counter()
-    variants = _dry_run(model, hf_config, config, device, max_model_len)
+    dtype = next(model.parameters()).dtype
+    listing = _variants_file(hf_config, dtype, config, device, max_model_len)
+    variants = _read_variants(listing)
+    dry_run = variants is None
     if variants is None:
-        return None
-    torch.cuda.empty_cache()
+        variants = _dry_run(model, hf_config, config, device, max_model_len)
+        if variants is None:
+            return None
+        torch.cuda.empty_cache()
     failed = compile_in_workers(variants, device)
-    return PrecompileReport(len(variants), time.perf_counter() - start, failed)
+    if dry_run and not failed:
+        _write_variants(listing, variants)
+    return PrecompileReport(len(variants), time.perf_counter() - start, failed, dry_run)
+
+
+def _variants_file(hf_config: dict, dtype, config, device, max_model_len: int) -> str:
+    """Where the variant list of this model shape and these settings is kept."""
+    import triton
+
+    from moetrace import __version__
+
+    settings = {
+        "model": hf_config,
+        "dtype": str(dtype),
+        "engine": config.to_dict(),
+        "max_model_len": max_model_len,
+        "capability": torch.cuda.get_device_capability(device),
+        "triton": triton.__version__,
+        "moetrace": __version__,
+    }
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+    return os.path.join(triton.knobs.cache.dir, "moetrace-variants", f"{digest[:32]}.json")
+
+
+def _read_variants(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return {tuple(k): data for k, data in json.load(f)}
+    except (OSError, ValueError, TypeError):
+        return None  # absent or unreadable: dry-run again
+
+
+def _write_variants(path: str, variants: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump([[list(k), data] for k, data in variants.items()], f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs the next run its dry run
 
 
 def _dry_run(model, hf_config: dict, config, device: torch.device, max_model_len: int):
