@@ -35,6 +35,7 @@ from moetrace.config import EngineConfig  # noqa: E402
 from moetrace.engine import llm_engine as llm_engine_module  # noqa: E402
 from moetrace.engine.llm_engine import LLMEngine  # noqa: E402
 from moetrace.engine.model_runner import ModelRunner  # noqa: E402
+from moetrace.engine.precompile import start_compile_workers  # noqa: E402
 from moetrace.engine.sampling import SamplingParams  # noqa: E402
 from moetrace.models.loader import load_model  # noqa: E402
 
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-cudagraph-capture-size", type=int, default=2048)
     parser.add_argument("--no-capture", action="store_true")
+    parser.add_argument("--serial-compile", action="store_true", help="no compile workers")
     parser.add_argument("--profile-steps", type=int, default=0, help="profiler window (steps)")
     parser.add_argument("--profile-after", type=int, default=300, help="steps before the window")
     parser.add_argument(
@@ -110,6 +112,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
+    if torch.cuda.is_available() and not args.serial_compile:
+        start_compile_workers()  # as `moetrace record` does
     timed = Timed()
     timed.wrap(llm_engine_module, "plan_num_blocks", "kv_sizing")
     timed.wrap(ModelRunner, "capture_graphs", "graph_capture")
@@ -157,6 +161,7 @@ def main() -> None:
         return step
 
     runner.launch = launch
+    last_plans = workloads.keep_last_plans(runner.graphs) if runner.graphs else {}
     profile = None
     sync()
     run_start = time.perf_counter()
@@ -198,6 +203,9 @@ def main() -> None:
         "load_s": load_s,
         "engine_s": engine_s,
         "engine_parts_s": dict(timed.seconds),
+        "startup": engine.startup.seconds,
+        "kernel_variants": engine.startup.kernel_variants,
+        "late_compiles": engine.startup.late_compiles,
         "run_s": wall,
         "steps": step,
         "output_tokens": out_tokens,
@@ -214,7 +222,8 @@ def main() -> None:
         },
     }
     print(json.dumps(summary, indent=1), flush=True)
-    if args.profile_replay and runner.graphs is not None:
+    if args.profile_replay and args.profile_replay in last_plans:
+        runner.graphs._stage(last_plans[args.profile_replay], args.profile_replay)
         graph = runner.graphs.graphs[args.profile_replay]
         for _ in range(3):
             graph.replay()

@@ -114,12 +114,14 @@ def phases(step_s: np.ndarray, prompt_tokens: int, config: EngineConfig) -> dict
     }
 
 
-def decode_step_profile(engine: LLMEngine, model, batch: int) -> dict:
+def decode_step_profile(engine: LLMEngine, model, batch: int, last_plans: dict) -> dict:
     """Device time of one graph-replayed decode step at ``batch``, and the bytes it must read."""
     graphs = engine.runner.graphs
-    if graphs is None or batch not in graphs.graphs:
+    plan = last_plans.get(batch)
+    if graphs is None or batch not in graphs.graphs or plan is None or not plan.decode_only:
         return {}
-    # The graph replays the last step staged at this size: a decode step of `batch` sequences.
+    engine.runner.bind()
+    graphs._stage(plan, batch)  # the last decode step of `batch` sequences, as it ran
     graph = graphs.graphs[batch]
     for _ in range(3):
         graph.replay()
@@ -165,6 +167,10 @@ def bench_moetrace(name: str, config: dict, prompts, output_lens, args, results:
     t0 = time.perf_counter()
     engines = {"capture": make_engine(model, True, args, num_blocks)}
     engines["no-capture"] = make_engine(model, False, args, num_blocks)
+    last_plans = {
+        mode: workloads.keep_last_plans(e.runner.graphs) if e.runner.graphs else {}
+        for mode, e in engines.items()
+    }
     setup_s = time.perf_counter() - t0
     # Warm up on the measured batch's shapes: Triton compiles a kernel per tile
     # config on first use, and the prefill and mixed steps use configs the decode
@@ -195,9 +201,13 @@ def bench_moetrace(name: str, config: dict, prompts, output_lens, args, results:
     results["engine_setup_s"] = setup_s
     results["warmup_s"] = warm_s
     batch = min(args.max_num_seqs, len(prompts))
-    results["decode_profile"] = decode_step_profile(engines["capture"], model, batch)
+    results["decode_profile"] = decode_step_profile(
+        engines["capture"], model, batch, last_plans["capture"]
+    )
     # The same graph replay without capture: the device-side cost of capture, alone.
-    results["decode_profile_no_capture"] = decode_step_profile(engines["no-capture"], model, batch)
+    results["decode_profile_no_capture"] = decode_step_profile(
+        engines["no-capture"], model, batch, last_plans["no-capture"]
+    )
     on, off = results["decode_profile"], results["decode_profile_no_capture"]
     if on and off:
         print(
