@@ -2,7 +2,7 @@
 
 ``RoutedExpertsTensors`` is the device side of one step: views into the
 capturer's static buffer and the step's slot mapping.  ``RoutedExpertsLists``
-is the host side: numpy arrays the scheduler may read once ``ready()`` says so.
+is the host side: numpy arrays the scheduler may read once ``wait()`` returns.
 """
 
 from __future__ import annotations
