@@ -9,7 +9,6 @@ array by array, chunk by chunk, so exporting a large trace needs little memory.
 
 from __future__ import annotations
 
-import io
 import json
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -17,20 +16,13 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 import numpy as np
-import pybase64
 
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import Trace, TraceRequest
+from moetrace.trace.wire import npy_base64
 
 FORMATS = ("jsonl", "npz", "npy")
 DTYPES = ("stored", "int32", "int64")
-
-
-def npy_base64(array: np.ndarray) -> str:
-    """Base64 of the ``.npy`` bytes of ``array`` (the vLLM/SGLang HTTP encoding)."""
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return pybase64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _cast(rows: np.ndarray, dtype: str) -> np.ndarray:
