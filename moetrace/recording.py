@@ -146,6 +146,41 @@ def model_context_length(model: str, config: dict, max_model_len: int | None) ->
     return min(limit, max_model_len) if max_model_len else limit
 
 
+def eos_token_ids(tokenizer: Tokenizer | None, config: dict) -> tuple[int, ...]:
+    """Ids that end generation: the tokenizer's, else config.json's ``eos_token_id``."""
+    eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+    if not eos and config.get("eos_token_id") is not None:
+        value = config["eos_token_id"]
+        eos = tuple(value) if isinstance(value, list) else (int(value),)
+    return eos
+
+
+def model_metadata(
+    model_name: str,
+    engine: LLMEngine,
+    architecture: str,
+    digest: str,
+    tokenizer: Tokenizer | None,
+    engine_settings: dict,
+) -> TraceMetadata:
+    """The root attributes of a trace of ``engine``'s model (``record`` and ``serve``)."""
+    model = engine.model
+    return TraceMetadata(
+        model=model_name,
+        architecture=architecture,
+        config_digest=digest,
+        num_hidden_layers=len(getattr(model, "layers", [])),
+        moe_layer_indices=list(model.moe_layer_indices),
+        num_experts=model.num_experts,
+        top_k=model.top_k,
+        vocab_size=model.vocab_size,
+        tokenizer=None if tokenizer is None else tokenizer.path,
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        engine_settings=engine_settings,
+        moetrace_version=__version__,
+    )
+
+
 def prompt_token_ids(spec: PromptSpec, tokenizer, source: str) -> list[int]:
     if spec.token_ids is not None:
         return list(spec.token_ids)
@@ -380,22 +415,9 @@ class Recording:
             )
 
     def metadata(self, engine: LLMEngine, architecture: str, digest: str) -> TraceMetadata:
-        model = engine.model
-        return TraceMetadata(
-            model=self.model_name,
-            architecture=architecture,
-            config_digest=digest,
-            num_hidden_layers=len(getattr(model, "layers", [])),
-            moe_layer_indices=list(model.moe_layer_indices),
-            num_experts=model.num_experts,
-            top_k=model.top_k,
-            vocab_size=model.vocab_size,
-            tokenizer=None if self.tokenizer is None else self.tokenizer.path,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-            engine_settings=self._engine_settings(
-                engine.max_model_len, engine.block_manager.num_blocks
-            ),
-            moetrace_version=__version__,
+        settings = self._engine_settings(engine.max_model_len, engine.block_manager.num_blocks)
+        return model_metadata(
+            self.model_name, engine, architecture, digest, self.tokenizer, settings
         )
 
     def _writer(self, metadata: TraceMetadata) -> TraceWriter:
@@ -441,10 +463,7 @@ class Recording:
                 seed=self.engine_config.seed,
             )
             startup["weights"] = time.perf_counter() - clock
-            eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
-            if not eos and loaded.config.get("eos_token_id") is not None:
-                value = loaded.config["eos_token_id"]
-                eos = tuple(value) if isinstance(value, list) else (int(value),)
+            eos = eos_token_ids(self.tokenizer, loaded.config)
             configure_cpu_threads(loaded.model, self.device)
             engine = LLMEngine(loaded.model, self.engine_config, self.device, eos_token_ids=eos)
         finally:

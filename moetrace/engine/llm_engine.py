@@ -190,10 +190,11 @@ class LLMEngine:
         *,
         index: int = 0,
         samples: Sequence[int] | None = None,
-    ) -> None:
+    ) -> list[Request]:
         """Queue a prompt; ``sampling.n`` > 1 queues that many samples of it (ids ``"i_<id>"``).
 
         ``samples``: only these sample indices (a resumed run redoes the missing ones).
+        Returns the queued samples' ``Request``s, which show their tokens as steps complete.
         """
         if request_id in self._samples:
             raise RequestRejected("id", f"duplicate request id {request_id!r}")
@@ -211,6 +212,7 @@ class LLMEngine:
         clash = next((e for e in ids.values() if e in self._requests), None)
         if clash is not None:
             raise RequestRejected("id", f"duplicate request id {clash!r}")
+        queued = []
         for i, engine_id in ids.items():
             params = sampling.for_sample(i) if n > 1 else sampling
             request = Request(
@@ -225,7 +227,9 @@ class LLMEngine:
             )
             self._requests[engine_id] = request
             self.scheduler.add(request)
+            queued.append(request)
         self._samples[request_id] = list(ids.values())
+        return queued
 
     def _stop_strings(
         self, prompt_token_ids: list[int], params: SamplingParams
