@@ -22,10 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 import moetrace
-from moetrace import __version__
 from moetrace.config import EngineConfig
 from moetrace.distributed.sharding import load_model_for_rank
 from moetrace.engine.cpu_threads import configure_cpu_threads
@@ -40,8 +37,14 @@ from moetrace.models.loader import config_digest, read_config, resolve_dtype
 from moetrace.models.registry import resolve_architecture
 from moetrace.prompt_shards import select_shard, shard_settings
 from moetrace.prompts import STDIN, PromptSpec, iter_prompts
+from moetrace.run_setup import (
+    eos_token_ids,
+    load_tokenizer,
+    model_context_length,
+    model_metadata,
+    resolve_device,
+)
 from moetrace.signals import GracefulStop, Interrupted, StopNow, signal_name
-from moetrace.tokenizer import Tokenizer
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.resume import ResumePoint, check_settings, open_resume_point, result_settings
 from moetrace.trace.writer import TraceWriter
@@ -90,95 +93,11 @@ class RecordResult:
     late_compiles: int = 0  # kernel variants compiled one by one during start-up
 
 
-def check_supported(*, pipeline_parallel_size: int = 1, cpu_offload_gb: float = 0.0) -> None:
-    """Refuse, at start, vLLM options that routing capture cannot honour.
-
-    vLLM refuses both with routed-experts capture: with pipeline parallelism no
-    single worker sees every MoE layer's routing for a token, and offloaded
-    weights run outside the layers that capture.  Every layer stays on every
-    device (one, or a tensor-parallel group).
-    """
-    if pipeline_parallel_size < 1:
-        raise MoetraceError(
-            f"--pipeline-parallel-size must be at least 1, got {pipeline_parallel_size}"
-        )
-    if pipeline_parallel_size > 1:
-        raise MoetraceError(
-            f"--pipeline-parallel-size {pipeline_parallel_size}: routing capture does not support "
-            "pipeline parallelism (vLLM refuses it too); split a model too big for one device "
-            "with --tensor-parallel-size"
-        )
-    if cpu_offload_gb < 0:
-        raise MoetraceError(f"--cpu-offload-gb must be >= 0, got {cpu_offload_gb}")
-    if cpu_offload_gb > 0:
-        raise MoetraceError(
-            f"--cpu-offload-gb {cpu_offload_gb:g}: routing capture does not support CPU weight "
-            "offload (vLLM refuses it too); use --device cpu to run entirely on the CPU"
-        )
-
-
 def _input_error_dict(err: InputError) -> dict:
     return {"source": err.source, "line": err.line, "field": err.field, "problem": err.problem}
 
 
 ProgressCallback = Callable[[RecordResult, int | None], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MoetraceError("--device cuda asked for, but torch sees no CUDA device")
-    if name not in ("cuda", "cpu"):
-        raise MoetraceError(f"unknown device {name!r}; choose auto, cuda or cpu")
-    return torch.device(name)
-
-
-def load_tokenizer(model: str) -> Tokenizer | None:
-    path = model_dir(model)
-    if not (path / "tokenizer.json").exists():
-        return None
-    return Tokenizer.from_dir(path)
-
-
-def model_context_length(model: str, config: dict, max_model_len: int | None) -> int:
-    limit = int(config.get("max_position_embeddings", 32768))
-    return min(limit, max_model_len) if max_model_len else limit
-
-
-def eos_token_ids(tokenizer: Tokenizer | None, config: dict) -> tuple[int, ...]:
-    """Ids that end generation: the tokenizer's, else config.json's ``eos_token_id``."""
-    eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
-    if not eos and config.get("eos_token_id") is not None:
-        value = config["eos_token_id"]
-        eos = tuple(value) if isinstance(value, list) else (int(value),)
-    return eos
-
-
-def model_metadata(
-    model_name: str,
-    engine: LLMEngine,
-    architecture: str,
-    digest: str,
-    tokenizer: Tokenizer | None,
-    engine_settings: dict,
-) -> TraceMetadata:
-    """The root attributes of a trace of ``engine``'s model (``record`` and ``serve``)."""
-    model = engine.model
-    return TraceMetadata(
-        model=model_name,
-        architecture=architecture,
-        config_digest=digest,
-        num_hidden_layers=len(getattr(model, "layers", [])),
-        moe_layer_indices=list(model.moe_layer_indices),
-        num_experts=model.num_experts,
-        top_k=model.top_k,
-        vocab_size=model.vocab_size,
-        tokenizer=None if tokenizer is None else tokenizer.path,
-        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-        engine_settings=engine_settings,
-        moetrace_version=__version__,
-    )
 
 
 def prompt_token_ids(spec: PromptSpec, tokenizer, source: str) -> list[int]:

@@ -15,7 +15,7 @@ from hf_reference import capture_router_calls, load_reference_model, reference_g
 
 from moetrace.models.demo import DEMO_CONFIG, DEMO_DIR, model_dir
 from moetrace.models.loader import load_model
-from moetrace.recording import load_tokenizer
+from moetrace.run_setup import load_tokenizer
 from moetrace.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer
 
 CODE = '''def merge_intervals(pairs):

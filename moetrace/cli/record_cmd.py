@@ -12,22 +12,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from moetrace.cli import engine_options as opts
 from moetrace.errors import MoetraceError
-from moetrace.models.registry import supported_architectures
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
     from moetrace.recording import Recording, RecordResult, SamplingDefaults
     from moetrace.signals import GracefulStop
 
-_SUPPORTED = ", ".join(supported_architectures())
-
 
 def record_command(
-    model: str = typer.Argument(
-        ...,
-        metavar="MODEL",
-        help=f"Checkpoint directory (config.json + safetensors) or 'demo'. Supported: {_SUPPORTED}.",
-    ),
+    model: str = opts.MODEL,
     prompts: str = typer.Argument(
         ..., metavar="PROMPTS", help="JSONL file of prompts, or '-' for standard input."
     ),
@@ -38,62 +32,24 @@ def record_command(
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 or -1: off."),
-    seed: int = typer.Option(
-        0, "--seed", help="Run seed; a prompt without its own seed samples from this."
-    ),
+    seed: int = opts.SEED,
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Generate max_tokens even past EOS."
     ),
-    dtype: str = typer.Option(
-        "auto",
-        "--dtype",
-        help="auto, bfloat16, float16, float32, float64 (auto: the checkpoint's on CUDA, float32 on CPU).",
-    ),
-    device: str = typer.Option("auto", "--device", help="auto, cuda or cpu."),
-    load_format: str = typer.Option(
-        "auto", "--load-format", help="auto, safetensors or dummy (seeded random weights)."
-    ),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV cache block."),
-    num_kv_blocks: int | None = typer.Option(
-        None, "--num-kv-blocks", help="KV cache capacity in blocks (default: sized from memory)."
-    ),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most sequences in one step."),
-    max_num_batched_tokens: int = typer.Option(
-        8192,
-        "--max-num-batched-tokens",
-        help="Most tokens in one step (longer prompts are chunked).",
-    ),
-    max_model_len: int | None = typer.Option(
-        None, "--max-model-len", help="Context limit (default: the model's)."
-    ),
-    enable_prefix_caching: bool = typer.Option(
-        True, "--enable-prefix-caching/--no-enable-prefix-caching"
-    ),
-    gpu_memory_utilization: float = typer.Option(
-        0.9,
-        "--gpu-memory-utilization",
-        help="Share of GPU memory for weights, activations and KV cache.",
-    ),
-    pipeline_parallel_size: int = typer.Option(
-        1,
-        "--pipeline-parallel-size",
-        help="Only 1: routing capture needs every MoE layer in one pipeline stage.",
-    ),
-    cpu_offload_gb: float = typer.Option(
-        0.0, "--cpu-offload-gb", help="Only 0: routing capture does not support weight offload."
-    ),
-    enforce_eager: bool = typer.Option(
-        False,
-        "--enforce-eager",
-        help="No CUDA graphs: every step runs eagerly (slower, same trace). "
-        "Tensor parallel runs eagerly already.",
-    ),
-    max_cudagraph_capture_size: int = typer.Option(
-        2048,
-        "--max-cudagraph-capture-size",
-        help="Steps of up to this many tokens (padded) replay CUDA graphs; larger ones run "
-        "eagerly at padded sizes.",
-    ),
+    dtype: str = opts.DTYPE,
+    device: str = opts.DEVICE,
+    load_format: str = opts.LOAD_FORMAT,
+    block_size: int = opts.BLOCK_SIZE,
+    num_kv_blocks: int | None = opts.NUM_KV_BLOCKS,
+    max_num_seqs: int = opts.MAX_NUM_SEQS,
+    max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
+    max_model_len: int | None = opts.MAX_MODEL_LEN,
+    enable_prefix_caching: bool = opts.ENABLE_PREFIX_CACHING,
+    gpu_memory_utilization: float = opts.GPU_MEMORY_UTILIZATION,
+    pipeline_parallel_size: int = opts.PIPELINE_PARALLEL_SIZE,
+    cpu_offload_gb: float = opts.CPU_OFFLOAD_GB,
+    enforce_eager: bool = opts.ENFORCE_EAGER,
+    max_cudagraph_capture_size: int = opts.MAX_CUDAGRAPH_CAPTURE_SIZE,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     resume: bool = typer.Option(
         False,
@@ -106,30 +62,14 @@ def record_command(
         "--skip-invalid",
         help="Skip bad prompt lines (reported at the end and in the trace) instead of stopping.",
     ),
-    flush_interval: float = typer.Option(
-        5.0, "--flush-interval", help="Seconds between flushes: the most a crash can lose."
-    ),
-    flush_every: int = typer.Option(64, "--flush-every", help="Finished requests between flushes."),
+    flush_interval: float = opts.FLUSH_INTERVAL,
+    flush_every: int = opts.FLUSH_EVERY,
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="No progress bar, no start-up breakdown: the result line only."
     ),
-    tensor_parallel_size: int | None = typer.Option(
-        None,
-        "--tensor-parallel-size",
-        "-tp",
-        help="Devices to split the model over, one process each (default: 1, or torchrun's "
-        "process count). See docs/distributed.md.",
-    ),
-    enable_expert_parallel: bool = typer.Option(
-        False,
-        "--enable-expert-parallel",
-        help="With tensor parallelism: whole experts per rank instead of a slice of each.",
-    ),
-    sequence_parallel_moe: bool = typer.Option(
-        False,
-        "--sequence-parallel-moe",
-        help="With tensor parallelism: each rank routes a slice of the tokens; capture gathers.",
-    ),
+    tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
+    enable_expert_parallel: bool = opts.ENABLE_EXPERT_PARALLEL,
+    sequence_parallel_moe: bool = opts.SEQUENCE_PARALLEL_MOE,
     num_shards: int = typer.Option(
         1, "--num-shards", help="Data-parallel shards of the prompts (one run per shard)."
     ),
@@ -144,7 +84,6 @@ def record_command(
 
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
-    from moetrace.config import EngineConfig
     from moetrace.engine.launch import (
         TensorParallelDriver,
         is_torchrun_worker,
@@ -154,7 +93,8 @@ def record_command(
         worker_spec,
     )
     from moetrace.prompt_shards import check_shard_args
-    from moetrace.recording import Recording, SamplingDefaults, check_supported
+    from moetrace.recording import Recording, SamplingDefaults
+    from moetrace.run_setup import check_supported
     from moetrace.signals import GracefulStop, Interrupted
     from moetrace.trace.writer import unclosed_traces
 
@@ -171,7 +111,7 @@ def record_command(
     if is_torchrun_worker(parallel):  # torchrun rank > 0: serve rank 0, write and print nothing
         run_torchrun_worker(parallel, device)
         return
-    engine = EngineConfig(
+    engine = opts.engine_config(
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         max_num_seqs=max_num_seqs,

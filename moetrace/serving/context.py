@@ -1,0 +1,165 @@
+"""What every handler needs: the engine loop, the tokenizer and the model's facts.
+
+Requests are checked here before they reach the engine (prompt length,
+vocabulary, KV cache room, the routed-experts offset), so a bad request is
+answered with a 400 naming its field and the engine never sees it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetrace.engine.llm_engine import request_problem
+from moetrace.engine.sampling import SamplingParams
+from moetrace.errors import ModelError
+from moetrace.serving.engine_loop import EngineLoop
+from moetrace.serving.protocol import FieldProblem
+from moetrace.tokenizer import Tokenizer
+from moetrace.trace.wire import hidden_layer_rows, int32_base64, npy_base64
+
+# vLLM's defaults for OpenAI requests that leave a sampling field out.
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+# generation_config.json keys vLLM's ``--generation-config auto`` takes as defaults.
+_GENERATION_KEYS = ("temperature", "top_p", "top_k")
+
+
+def generation_defaults(model_dir: Path, mode: str) -> dict[str, Any]:
+    """Sampling defaults: vLLM's, overridden by the checkpoint's generation_config.json (auto)."""
+    defaults = dict(OPENAI_SAMPLING_DEFAULTS)
+    if mode == "vllm":
+        return defaults
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return defaults
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelError(f"{path}: cannot read ({exc})".splitlines()[0]) from None
+    for key in _GENERATION_KEYS:
+        value = config.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            defaults[key] = value
+    return defaults
+
+
+@dataclass
+class ModelFacts:
+    """The routing shape clients decode against."""
+
+    num_hidden_layers: int
+    moe_layer_indices: list[int]
+    num_experts: int
+    top_k: int
+    vocab_size: int
+
+
+@dataclass
+class ServingContext:
+    loop: EngineLoop
+    tokenizer: Tokenizer | None
+    model: ModelFacts
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    return_routed_experts: bool
+    eos_token_ids: tuple[int, ...] = ()
+    sampling_defaults: dict[str, Any] = field(
+        default_factory=lambda: dict(OPENAI_SAMPLING_DEFAULTS)
+    )
+    created: int = 0
+    draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise FieldProblem("model", f"The model `{name}` does not exist.", status=404)
+
+    # ------------------------------------------------------------------ prompts
+    def _need_tokenizer(self, field_name: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise FieldProblem(field_name, "the model has no tokenizer.json; send token ids")
+        return self.tokenizer
+
+    def encode(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
+        tokenizer = self._need_tokenizer(field_name)
+        ids = tokenizer.encode(text)
+        if (
+            not add_special_tokens
+            and tokenizer.add_bos_token
+            and ids[:1] == [tokenizer.bos_token_id]
+        ):
+            ids = ids[1:]
+        return ids
+
+    def chat_prompt(self, messages: list[dict[str, Any]], variables: dict[str, Any]) -> list[int]:
+        tokenizer = self._need_tokenizer("messages")
+        plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+        try:
+            return tokenizer.apply_chat_template(plain, **variables)
+        except ModelError as exc:
+            raise FieldProblem("messages", str(exc)) from None
+
+    def check_prompt(self, ids: list[int], max_tokens: int, where: str = "prompt") -> None:
+        """Refuse a prompt that can never run, as the engine would, naming the field."""
+        problem = request_problem(ids, max_tokens, self.model.vocab_size, self.max_model_len)
+        if problem is not None:
+            name, text = problem
+            raise FieldProblem(where if name in ("prompt", "prompt_token_ids") else name, text)
+        need = -(-(len(ids) + max_tokens - 1) // self.block_size)
+        if need > self.num_kv_blocks:
+            raise FieldProblem(
+                "max_tokens",
+                f"the request needs {need} KV blocks of {self.block_size} tokens; the cache "
+                f"holds {self.num_kv_blocks}",
+            )
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """vLLM's rule when a chat request gives no max_tokens: the rest of the context."""
+        room = self.max_model_len - prompt_len
+        by_cache = self.num_kv_blocks * self.block_size - prompt_len + 1
+        return max(1, min(room, by_cache))
+
+    def sampling(self, values: dict[str, Any]) -> SamplingParams:
+        """Engine sampling settings: the request's values over the server's defaults."""
+        merged = {**self.sampling_defaults, **{k: v for k, v in values.items() if v is not None}}
+        try:
+            return SamplingParams(**merged)
+        except ValueError as exc:
+            raise FieldProblem(None, str(exc)) from None
+
+    # ------------------------------------------------------------------ routing
+    def vllm_rows(self, rows: np.ndarray) -> np.ndarray:
+        return hidden_layer_rows(rows, self.model.moe_layer_indices, self.model.num_hidden_layers)
+
+    def vllm_routed_experts(self, rows: np.ndarray, start: int) -> str:
+        """vLLM's ``routed_experts``: every hidden layer, rows from ``start`` on."""
+        return npy_base64(self.vllm_rows(rows[start:]))
+
+    def sglang_routed_experts(self, rows: np.ndarray, start: int) -> str:
+        """SGLang's ``meta_info.routed_experts``: flat int32, rows from ``start`` on."""
+        return int32_base64(self.vllm_rows(rows[start:]))
+
+
+def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message whose content is a list of text parts, joined the way vLLM does."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise FieldProblem(
+                f"messages.{index}.content.{j}", "only text parts are supported by moetrace serve"
+            )
+        texts.append(str(part.get("text", "")))
+    return {**message, "content": "\n".join(texts)}

@@ -1,0 +1,287 @@
+"""One engine thread serving every connection: continuous batching behind HTTP.
+
+The HTTP side runs on an asyncio event loop; the engine runs ``LLMEngine.step``
+in a loop on its own thread, exactly as ``record`` does, so capture,
+prefix-cache reuse, preemption and abort behave the same.  The two meet in
+three places only:
+
+- ``add`` and ``abort`` put work in an inbox the engine thread empties
+  between steps (the engine itself is never touched from the event loop);
+- after each step the engine thread hands the step's events (new tokens for
+  streaming requests, finished requests) to the event loop in one
+  ``call_soon_threadsafe`` call, which fills each request's queue;
+- every request that ends in the engine (finished, aborted by a
+  disconnect or by shutdown) also goes to the trace writer, from the engine
+  thread, as in ``record``.
+
+Why a thread: the model's kernels and the CUDA waits release the GIL, so the
+event loop parses, encodes and sends while the device works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from moetrace.engine.llm_engine import LLMEngine, RequestRejected
+from moetrace.engine.request import Request
+from moetrace.engine.sampling import SamplingParams
+from moetrace.errors import CapacityError
+from moetrace.trace.records import FinishedRequest
+from moetrace.trace.writer import TraceWriter
+
+
+@dataclass
+class NewTokens:
+    """Output tokens a streaming request gained in one step."""
+
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    """The request ended in the engine (its rows, tokens and finish reason)."""
+
+    request: FinishedRequest
+
+
+@dataclass
+class Failed:
+    """The engine could not run the request; ``status`` is the HTTP status to answer."""
+
+    message: str
+    status: int = 500
+    field: str | None = None
+
+
+Event = NewTokens | Finished | Failed
+
+
+@dataclass
+class EngineRequest:
+    """What a handler asks the engine to run."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+
+
+class RequestHandle:
+    """The event loop's side of one engine request: its events arrive on a queue."""
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.request = request
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    async def next_event(self) -> Event:
+        event = await self.events.get()
+        if not isinstance(event, NewTokens):
+            self.done = True
+        return event
+
+
+@dataclass
+class _Live:
+    handle: RequestHandle
+    request: Request | None = None
+    sent: int = 0  # output tokens already handed out (streaming)
+
+
+@dataclass
+class LoopStats:
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class EngineLoop:
+    """Drives one ``LLMEngine`` from a thread; thread-safe ``add``/``abort``.
+
+    ``on_fatal`` is called (from the engine thread) with a one-line message
+    when the engine or the trace writer fails: the server then stops.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        writer: TraceWriter | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.writer = writer
+        self.on_fatal = on_fatal or (lambda message: None)
+        self.stats = LoopStats()
+        self.fatal: str | None = None
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Event()
+        self._live: dict[str, _Live] = {}
+        self._streaming: dict[str, _Live] = {}  # the live requests that stream tokens
+        self._index = 0  # arrival order: the trace's request index and the default seed
+        self._stopping = False
+        self._deadline = 0.0
+        self._thread = threading.Thread(target=self._run, name="moetrace-engine", daemon=True)
+
+    # ------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, handle: RequestHandle) -> None:
+        self._inbox.append(("add", handle))
+        self._wake.set()
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._inbox.append(("abort", list(request_ids)))
+            self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Finish what runs for up to ``timeout_s``, abort the rest, stop the thread."""
+        self._deadline = time.monotonic() + timeout_s
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ---------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                events = self._take_inbox()
+                if self._stopping and (
+                    not engine.has_unfinished() or time.monotonic() >= self._deadline
+                ):
+                    events += self._abort(list(self._live))
+                    self._deliver(events)
+                    return
+                if not engine.has_unfinished():
+                    self._deliver(events)
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                finished = engine.step()
+                self.stats.steps += 1
+                # A request that ended this step gets its last tokens with Finished instead.
+                events += self._stream_tokens({f.request_id for f in finished})
+                events += self._ended(finished)
+                self._deliver(events)
+        except BaseException as exc:  # an engine bug or a failed trace write: stop serving
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            self.fatal = message
+            self._deliver(
+                [
+                    (live.handle, Failed(f"engine stopped: {message}"))
+                    for live in self._live.values()
+                ]
+            )
+            self._live.clear()
+            self._streaming.clear()
+            print(f"error: engine stopped: {message}", file=sys.stderr, flush=True)
+            self.on_fatal(message)
+
+    def _take_inbox(self) -> list[tuple[RequestHandle, Event]]:
+        events: list[tuple[RequestHandle, Event]] = []
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                events += self._add(item)  # type: ignore[arg-type]
+            else:
+                events += self._abort(item)  # type: ignore[arg-type]
+        return events
+
+    def _add(self, handle: RequestHandle) -> list[tuple[RequestHandle, Event]]:
+        req = handle.request
+        if self._stopping:
+            return [(handle, Failed("the server is shutting down", status=503))]
+        try:
+            request = self.engine.add_request(
+                req.request_id, req.prompt_token_ids, req.sampling, index=self._index
+            )
+        except RequestRejected as exc:
+            return [(handle, Failed(exc.problem, status=400, field=exc.field))]
+        except CapacityError as exc:
+            return [(handle, Failed(str(exc), status=400, field="max_tokens"))]
+        self._index += 1
+        live = _Live(handle, request if req.stream else None)
+        self._live[req.request_id] = live
+        if req.stream:
+            self._streaming[req.request_id] = live
+        return []
+
+    def _abort(self, request_ids: list[str]) -> list[tuple[RequestHandle, Event]]:
+        live = [rid for rid in request_ids if rid in self._live]
+        if not live:
+            return []
+        return self._ended(self.engine.abort(live))
+
+    def _stream_tokens(self, ended: set[str]) -> list[tuple[RequestHandle, Event]]:
+        events: list[tuple[RequestHandle, Event]] = []
+        for rid, live in self._streaming.items():
+            request = live.request
+            if request is None or rid in ended:
+                continue
+            n = request.num_output_tokens
+            if n > live.sent:
+                events.append((live.handle, NewTokens(request.output_token_ids[live.sent : n])))
+                live.sent = n
+        return events
+
+    def _ended(self, finished: list[FinishedRequest]) -> list[tuple[RequestHandle, Event]]:
+        events: list[tuple[RequestHandle, Event]] = []
+        for item in finished:
+            if self.writer is not None:
+                self.writer.submit(item)
+            live = self._live.pop(item.request_id, None)
+            self._streaming.pop(item.request_id, None)
+            if item.finish_reason == "abort":
+                self.stats.requests_aborted += 1
+            else:
+                self.stats.requests_finished += 1
+                self.stats.output_tokens += item.output_len
+            if live is not None:
+                events.append((live.handle, Finished(item)))
+        return events
+
+    def _deliver(self, events: list[tuple[RequestHandle, Event]]) -> None:
+        if events and not self.loop.is_closed():
+            # The event loop may close meanwhile (shutdown): then nobody is listening.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(_put_all, events)
+
+    # ------------------------------------------------------------------ views
+    def counts(self) -> dict[str, int]:
+        """Gauges for /metrics, read without stopping the engine."""
+        scheduler = self.engine.scheduler
+        bm = self.engine.block_manager
+        return {
+            "num_requests_running": len(scheduler.running),
+            "num_requests_waiting": len(scheduler.waiting),
+            "kv_cache_free_blocks": bm.num_free_blocks,
+            "kv_cache_total_blocks": bm.num_blocks,
+        }
+
+
+def _put_all(events: list[tuple[RequestHandle, Event]]) -> None:
+    for handle, event in events:
+        handle.events.put_nowait(event)

@@ -1,0 +1,320 @@
+"""Request bodies the server accepts, with vLLM's field names, defaults and checks.
+
+Every field vLLM accepts on ``/v1/completions`` and ``/v1/chat/completions``
+is known here.  Those the engine honours are typed fields; the others are
+accepted only at their default value (``echo: false``, ``logit_bias: null``,
+...) and refused otherwise with a 400 naming them, so a rollout never runs
+with a setting silently dropped.  A field vLLM does not know is refused too
+(newest vLLM ignores unknown fields with a log line; moetrace answers 400,
+because a misspelt ``max_token`` would otherwise change every rollout).
+
+SGLang's ``/generate`` body is checked the same way (``GenerateRequest``,
+``GenerateSampling``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+INT64 = 2**63
+
+
+class FieldProblem(Exception):
+    """A request field that is wrong or unsupported: answered with a 400 naming it."""
+
+    def __init__(self, field: str | None, problem: str, status: int = 400) -> None:
+        self.field = field
+        self.problem = problem
+        self.status = status
+        where = f"field '{field}': " if field else ""
+        super().__init__(f"{where}{problem}")
+
+
+def validation_problem(exc: ValidationError, prefix: str = "") -> FieldProblem:
+    """The first error of a pydantic validation, as one line naming its field."""
+    err = exc.errors(include_url=False)[0]
+    path = prefix + ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return FieldProblem(path, "unknown field (not one vLLM accepts here)")
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    if err["type"] == "missing":
+        return FieldProblem(path or None, "required")
+    return FieldProblem(path or None, f"{err['msg']}, got {shown}")
+
+
+def _refuse_unsupported(data: Any, defaults: dict[str, Any]) -> Any:
+    """Drop known-but-unsupported fields left at their default; refuse any other value."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, default in defaults.items():
+        if name not in out:
+            continue
+        value = out.pop(name)
+        if value is None or value == default:
+            continue
+        raise FieldProblem(
+            name, f"not supported by moetrace serve (only {default!r} is accepted), got {value!r}"
+        )
+    return out
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+# vLLM fields moetrace accepts only at these values (engine features not built yet).
+_COMMON_UNSUPPORTED: dict[str, Any] = {
+    "logit_bias": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "watermarking": False,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "prompt_logprobs": None,
+    "logprob_token_ids": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_offsets": False,
+    "return_mm_kwargs": True,
+    "truncate_prompt_tokens": None,
+    "truncation_side": None,
+    "response_format": None,
+    "structured_outputs": None,
+    "priority": 0,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "vllm_xargs": None,
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+    "stream_interval": None,
+    "session_id": None,
+    "prompt_embeds": None,
+    # Sampling the engine does not do yet (wired as the engine gains them).
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+}
+
+
+class SamplingFields(Strict):
+    """The fields both OpenAI endpoints share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=1024)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Fast tokenizers decode the same either way (no spaces are inserted).
+    spaces_between_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    routed_experts_prompt_start: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _checks(self) -> SamplingFields:
+        if self.stop:
+            raise FieldProblem("stop", "stop strings are not supported by moetrace serve yet")
+        if self.stream_options is not None and not self.stream:
+            raise FieldProblem("stream_options", "only allowed with stream: true")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        data = _refuse_unsupported(data, _COMMON_UNSUPPORTED)
+        if isinstance(data, dict) and data.get("max_tokens", 0) is None:
+            data = {**data, "max_tokens": 16}  # vLLM: null means the default
+        return data
+
+    @model_validator(mode="after")
+    def _completion_checks(self) -> CompletionRequest:
+        if self.echo:
+            raise FieldProblem("echo", "echo is not supported by moetrace serve")
+        if self.suffix:
+            raise FieldProblem("suffix", "suffix is not supported (vLLM refuses it too)")
+        if self.logprobs is not None:
+            raise FieldProblem("logprobs", "logprobs are not supported by moetrace serve yet")
+        if self.prompt == "" or self.prompt == []:
+            raise FieldProblem("prompt", "empty prompt")
+        return self
+
+
+_CHAT_UNSUPPORTED: dict[str, Any] = {
+    **_COMMON_UNSUPPORTED,
+    "tools": None,
+    "tool_choice": "none",
+    "parallel_tool_calls": True,
+    "reasoning_effort": None,
+    "include_reasoning": True,
+    "echo": False,
+    "continue_final_message": False,
+    "documents": None,
+    "chat_template": None,
+    "media_io_kwargs": None,
+    "mm_processor_kwargs": None,
+    "return_prompt_text": None,
+    "add_special_tokens": False,
+    "top_logprobs": 0,
+}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _refuse_unsupported(data, _CHAT_UNSUPPORTED)
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatCompletionRequest:
+        if self.logprobs:
+            raise FieldProblem("logprobs", "logprobs are not supported by moetrace serve yet")
+        for i, message in enumerate(self.messages):
+            if not isinstance(message.get("role"), str):
+                raise FieldProblem(f"messages.{i}.role", "each message needs a role (a string)")
+            content = message.get("content")
+            if not (content is None or isinstance(content, (str, list))):
+                raise FieldProblem(f"messages.{i}.content", "expected a string or a list of parts")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# --- SGLang's native /generate -------------------------------------------------------
+
+_SGLANG_SAMPLING_UNSUPPORTED: dict[str, Any] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
+    "logit_bias": None,
+    "stream_interval": None,
+}
+
+
+class GenerateSampling(Strict):
+    """SGLang's ``sampling_params`` with its defaults (max_new_tokens 128, top_k -1)."""
+
+    max_new_tokens: int | None = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = Field(1, ge=1, le=1024)
+    sampling_seed: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _refuse_unsupported(data, _SGLANG_SAMPLING_UNSUPPORTED)
+
+    @model_validator(mode="after")
+    def _checks(self) -> GenerateSampling:
+        if self.stop:
+            raise FieldProblem(
+                "sampling_params.stop", "stop strings are not supported by moetrace serve yet"
+            )
+        return self
+
+
+_GENERATE_UNSUPPORTED: dict[str, Any] = {
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "lora_path": None,
+    "return_hidden_states": False,
+    "logprob_start_len": -1,
+    "top_logprobs_num": 0,
+    "token_ids_logprob": None,
+    "return_text_in_logprobs": False,
+    "session_params": None,
+    "custom_logit_processor": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "priority": None,
+    "return_indexer_topk": False,
+}
+
+
+class GenerateRequest(Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+    return_logprob: bool | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)
+    log_metrics: bool = True
+    modalities: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _refuse_unsupported(data, _GENERATE_UNSUPPORTED)
+
+    @model_validator(mode="after")
+    def _checks(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise FieldProblem("text", "give exactly one of text and input_ids")
+        if self.return_logprob:
+            raise FieldProblem("return_logprob", "logprobs are not supported by moetrace serve yet")
+        return self
+
+    def sampling(self) -> GenerateSampling:
+        try:
+            return GenerateSampling.model_validate(self.sampling_params or {})
+        except ValidationError as exc:
+            raise validation_problem(exc, "sampling_params.") from None

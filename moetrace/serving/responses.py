@@ -1,0 +1,66 @@
+"""JSON bodies, errors and server-sent events, shaped as vLLM shapes them."""
+
+from __future__ import annotations
+
+import json
+import time
+from http import HTTPStatus
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse
+
+from moetrace.serving.protocol import FieldProblem, validation_problem
+
+DONE = "data: [DONE]\n\n"
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object, as vLLM's newest server writes it."""
+    kind = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(problem: FieldProblem) -> JSONResponse:
+    return JSONResponse(
+        error_body(problem.status, str(problem), problem.field), status_code=problem.status
+    )
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+async def read_body(http: HttpRequest, model: type[BaseModel]) -> Any:
+    """The request body as ``model``; malformed JSON and bad fields become ``FieldProblem``."""
+    raw = await http.body()
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise FieldProblem(None, "the request body is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise FieldProblem(
+            None, f"malformed JSON body: {exc.msg} (line {exc.lineno}, column {exc.colno})"
+        ) from None
+    if not isinstance(data, dict):
+        raise FieldProblem(None, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_problem(exc) from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }

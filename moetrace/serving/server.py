@@ -1,0 +1,294 @@
+"""One ``serve`` run: load the model and engine, serve HTTP until a signal, close the trace.
+
+Kept apart from the CLI (as ``recording.Recording`` is) so tests and Python
+callers run exactly what ``moetrace serve`` runs.
+
+Shutdown (SIGINT or SIGTERM, or the engine or trace writer failing): the
+listening socket closes, new requests on open connections get 503, requests
+in flight get up to ``shutdown_timeout_s`` to finish, whatever still runs is
+aborted (its blocks freed, written to the trace as ``abort``), and the trace
+is closed intact.  A second Ctrl-C skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from moetrace import __version__
+from moetrace.config import EngineConfig
+from moetrace.engine.cpu_threads import configure_cpu_threads
+from moetrace.engine.llm_engine import LLMEngine
+from moetrace.errors import MoetraceError
+from moetrace.models.demo import model_dir
+from moetrace.models.loader import load_model, read_config
+from moetrace.models.registry import resolve_architecture
+from moetrace.run_setup import (
+    eos_token_ids,
+    load_tokenizer,
+    model_context_length,
+    model_metadata,
+    resolve_device,
+)
+from moetrace.serving.app import create_app
+from moetrace.serving.context import ModelFacts, ServingContext, generation_defaults
+from moetrace.serving.engine_loop import EngineLoop
+from moetrace.signals import signal_name
+from moetrace.trace.writer import TraceWriter
+
+
+@dataclass
+class ServeResult:
+    requests: int = 0
+    aborted: int = 0
+    output_tokens: int = 0
+    elapsed_s: float = 0.0
+    stopped_by: str = ""
+    trace: Path | None = None
+    fatal: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, with a hook when it stops and no signal re-raised after it."""
+
+    def __init__(self, config: uvicorn.Config, on_ready, on_stopping) -> None:
+        super().__init__(config)
+        self.on_ready = on_ready
+        self.on_stopping = on_stopping
+        self.signals: list[int] = []
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        if len(self.signals) == 1:
+            print(
+                f"{signal_name(sig)}: stopping; requests in flight get "
+                f"{self.config.timeout_graceful_shutdown:g} s ({signal_name(sig)} again to stop now)",
+                file=sys.stderr,
+                flush=True,
+            )
+        super().handle_exit(sig, frame)
+        if len(self.signals) > 1:
+            self.force_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
+            self.on_ready(port)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.on_stopping()
+        await super().shutdown(sockets)
+
+
+class Server:
+    """Everything one ``serve`` run needs, checked in the order that fails fastest."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        engine: EngineConfig,
+        device: str = "auto",
+        dtype: str = "auto",
+        load_format: str = "auto",
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        served_model_names: list[str] | None = None,
+        return_routed_experts: bool = False,
+        trace_out: str | Path | None = None,
+        overwrite: bool = False,
+        flush_interval_s: float = 5.0,
+        flush_every_requests: int = 64,
+        shutdown_timeout_s: float = 30.0,
+        generation_config: str = "auto",
+        log_level: str = "warning",
+        extra_settings: dict | None = None,
+    ) -> None:
+        engine.validate()
+        if shutdown_timeout_s < 0:
+            raise MoetraceError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout_s:g}")
+        if generation_config not in ("auto", "vllm"):
+            raise MoetraceError(
+                f"--generation-config must be auto or vllm, got {generation_config!r}"
+            )
+        if flush_interval_s <= 0 or flush_every_requests < 1:
+            raise MoetraceError("--flush-interval must be > 0 and --flush-every at least 1")
+        self.model_name = model
+        self.device = resolve_device(device)
+        self.dtype = dtype
+        self.load_format = load_format
+        self.host, self.port = host, port
+        self.served_model_names = served_model_names or [model]
+        self.return_routed_experts = return_routed_experts
+        self.trace_out = Path(trace_out) if trace_out else None
+        self.overwrite = overwrite
+        self.flush_interval_s = flush_interval_s
+        self.flush_every_requests = flush_every_requests
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.log_level = log_level
+        self.extra_settings = dict(extra_settings or {})
+        if self.trace_out is not None:
+            self._check_trace_out(self.trace_out)
+        # Capture costs nothing to skip when nobody reads the rows.
+        engine.capture_routing = return_routed_experts or self.trace_out is not None
+        self.engine_config = engine
+        self.config = read_config(model_dir(model))
+        resolve_architecture(self.config, model)
+        self.tokenizer = load_tokenizer(model)
+        self.max_model_len = model_context_length(model, self.config, engine.max_model_len)
+        self.sampling_defaults = generation_defaults(model_dir(model), generation_config)
+
+    def _check_trace_out(self, out: Path) -> None:
+        if out.is_dir():
+            raise MoetraceError(f"cannot write {out}: it is a directory")
+        if out.exists() and not self.overwrite:
+            raise MoetraceError(f"{out} already exists (pass --overwrite to replace it)")
+        parent = out.parent if str(out.parent) else Path(".")
+        if not parent.is_dir():
+            raise MoetraceError(f"cannot write {out}: no such directory {parent}")
+
+    def run(self, on_ready: Callable[[str], None] | None = None) -> ServeResult:
+        """Load, serve until stopped, close; ``on_ready`` gets the URL once it listens."""
+        loaded = load_model(
+            self.model_name,
+            device=self.device,
+            dtype=self.dtype,
+            load_format=self.load_format,
+            seed=self.engine_config.seed,
+        )
+        eos = eos_token_ids(self.tokenizer, loaded.config)
+        configure_cpu_threads(loaded.model, self.device)
+        engine = LLMEngine(loaded.model, self.engine_config, self.device, eos_token_ids=eos)
+        writer = None
+        if self.trace_out is not None:
+            settings = {
+                **self.engine_config.to_dict(),
+                "device": self.device.type,
+                "load_format": "dummy" if self.load_format == "dummy" else "safetensors",
+                "max_model_len": engine.max_model_len,
+                "num_kv_blocks": engine.block_manager.num_blocks,
+                "served_by": "moetrace serve",
+                "sampling_defaults": self.sampling_defaults,
+                **self.extra_settings,
+            }
+            metadata = model_metadata(
+                self.model_name,
+                engine,
+                loaded.model.architecture,
+                loaded.config_digest,
+                self.tokenizer,
+                settings,
+            )
+            writer = TraceWriter(
+                self.trace_out,
+                metadata,
+                overwrite=self.overwrite,
+                flush_interval_s=self.flush_interval_s,
+                flush_every_requests=self.flush_every_requests,
+            ).start()
+        facts = ModelFacts(
+            num_hidden_layers=len(getattr(loaded.model, "layers", [])),
+            moe_layer_indices=list(loaded.model.moe_layer_indices),
+            num_experts=loaded.model.num_experts,
+            top_k=loaded.model.top_k,
+            vocab_size=loaded.model.vocab_size,
+        )
+        result = ServeResult(trace=self.trace_out)
+        start = time.monotonic()
+        try:
+            asyncio.run(self._serve(engine, writer, facts, eos, result, on_ready))
+        finally:
+            result.elapsed_s = time.monotonic() - start
+            if writer is not None:
+                writer.close(
+                    complete=result.fatal is None,
+                    end_reason=f"error: {result.fatal}" if result.fatal else result.stopped_by,
+                )
+        if result.fatal is not None:
+            raise MoetraceError(f"the server stopped: {result.fatal}")
+        return result
+
+    async def _serve(self, engine, writer, facts, eos, result: ServeResult, on_ready) -> None:
+        loop = asyncio.get_running_loop()
+        config = uvicorn.Config(
+            None,  # the app is set below, once the context exists
+            host=self.host,
+            port=self.port,
+            log_level=self.log_level,
+            access_log=self.log_level in ("debug", "trace"),
+            timeout_graceful_shutdown=self.shutdown_timeout_s,  # type: ignore[arg-type]
+            lifespan="off",
+        )
+        ctx: ServingContext
+
+        def stopping() -> None:
+            ctx.draining = True
+
+        def ready(port: int) -> None:
+            url = f"http://{self.host}:{port}"
+            print(
+                f"moetrace {__version__} serving {self.served_model_names[0]} at {url} "
+                f"(routed experts {'on' if self.return_routed_experts else 'off'}"
+                f"{f', trace {self.trace_out}' if self.trace_out else ''})",
+                file=sys.stderr,
+                flush=True,
+            )
+            if on_ready is not None:
+                on_ready(url)
+
+        server = _Uvicorn(config, ready, stopping)
+
+        def fatal(message: str) -> None:
+            loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+
+        engine_loop = EngineLoop(engine, loop, writer=writer, on_fatal=fatal)
+        ctx = ServingContext(
+            loop=engine_loop,
+            tokenizer=self.tokenizer,
+            model=facts,
+            served_model_names=self.served_model_names,
+            model_path=self.model_name,
+            max_model_len=engine.max_model_len,
+            num_kv_blocks=engine.block_manager.num_blocks,
+            block_size=engine.config.block_size,
+            return_routed_experts=self.return_routed_experts,
+            eos_token_ids=tuple(eos),
+            sampling_defaults=self.sampling_defaults,
+            created=int(time.time()),
+        )
+        config.app = create_app(ctx)
+        engine_loop.start()
+        try:
+            await server.serve()
+        finally:
+            ctx.draining = True
+            await asyncio.to_thread(engine_loop.shutdown, 0.0)
+            stats = engine_loop.stats
+            result.requests = stats.requests_finished
+            result.aborted = stats.requests_aborted
+            result.output_tokens = stats.output_tokens
+            result.fatal = engine_loop.fatal
+            result.stopped_by = (
+                f"stopped by {signal_name(server.signals[0])}" if server.signals else "stopped"
+            )

@@ -1,0 +1,203 @@
+"""SGLang's native ``/generate``, so slime and Miles rollouts point at moetrace unchanged.
+
+With ``return_routed_experts`` the answer's ``meta_info.routed_experts`` is
+SGLang's encoding: base64 of the flat int32 buffer of shape
+``(prompt_len + output_len - 1 - routed_experts_start_len, num_hidden_layers,
+top_k)`` (dense layers zero), decoded by clients with
+``np.frombuffer(b64decode(s), np.int32).reshape(-1, num_hidden_layers * top_k)``.
+A batch (``text`` or ``input_ids`` as a list) or ``n`` > 1 is answered with a
+list, one entry per sequence, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from moetrace.serving.choices import Choice, EncodeClock
+from moetrace.serving.context import ServingContext
+from moetrace.serving.engine_loop import EngineRequest, Finished
+from moetrace.serving.generation import ClientGone, generate_all, stream_events
+from moetrace.serving.protocol import FieldProblem, GenerateRequest, GenerateSampling
+from moetrace.serving.responses import DONE, error_body, read_body, sse
+from moetrace.trace.records import FinishedRequest
+
+router = APIRouter()
+
+
+def _prompts(ctx: ServingContext, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """Token ids of each prompt, and whether the request was a batch."""
+    if req.text is not None:
+        if isinstance(req.text, str):
+            return [ctx.encode(req.text, "text")], False
+        return [ctx.encode(t, f"text.{i}") for i, t in enumerate(req.text)], True
+    ids = req.input_ids or []
+    if ids and isinstance(ids[0], list):
+        return [list(p) for p in ids], True  # type: ignore[arg-type]
+    return [list(ids)], False  # type: ignore[arg-type]
+
+
+def _rids(req: GenerateRequest, count: int) -> list[str]:
+    if req.rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
+    if len(rids) != count:
+        raise FieldProblem("rid", f"{len(rids)} rids for {count} prompts")
+    return rids
+
+
+def _finish_reason(done: FinishedRequest, choice: Choice, max_new: int) -> dict[str, Any]:
+    if done.finish_reason == "length":
+        return {"type": "length", "length": max_new}
+    if done.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted"}
+    matched = int(done.output_token_ids[-1]) if choice.stopped_by_token(done) else None
+    return {"type": "stop", "matched": matched}
+
+
+class _Plan:
+    def __init__(self, ctx: ServingContext, req: GenerateRequest) -> None:
+        if req.return_routed_experts and not ctx.return_routed_experts:
+            raise FieldProblem(
+                "return_routed_experts",
+                "the server was started without --enable-return-routed-experts",
+            )
+        sampling: GenerateSampling = req.sampling()
+        if sampling.max_new_tokens == 0:
+            raise FieldProblem("sampling_params.max_new_tokens", "must be at least 1 here")
+        prompts, self.batch = _prompts(ctx, req)
+        rids = _rids(req, len(prompts))
+        self.requests: list[EngineRequest] = []
+        self.choices: list[Choice] = []
+        self.rids: list[str] = []
+        self.max_new: list[int] = []
+        self.batch = self.batch or sampling.n > 1
+        for p, ids in enumerate(prompts):
+            where = "input_ids" if req.input_ids is not None else "text"
+            limit = sampling.max_new_tokens or ctx.default_max_tokens(len(ids))
+            ctx.check_prompt(ids, limit, where)
+            if req.routed_experts_start_len > len(ids):
+                raise FieldProblem(
+                    "routed_experts_start_len",
+                    f"must be at most the prompt's {len(ids)} tokens, got "
+                    f"{req.routed_experts_start_len}",
+                )
+            for j in range(sampling.n):
+                seed = None if sampling.sampling_seed is None else sampling.sampling_seed + j
+                params = ctx.sampling(
+                    {
+                        "max_tokens": limit,
+                        "temperature": sampling.temperature,
+                        "top_p": sampling.top_p,
+                        "top_k": sampling.top_k,
+                        "seed": seed,
+                        "stop_token_ids": list(sampling.stop_token_ids or []),
+                        "ignore_eos": sampling.ignore_eos,
+                    }
+                )
+                rid = rids[p] if sampling.n == 1 else f"{rids[p]}-{j}"
+                self.rids.append(rid)
+                self.max_new.append(limit)
+                self.requests.append(EngineRequest(rid, ids, params, stream=req.stream))
+                self.choices.append(
+                    Choice(
+                        ctx,
+                        ids,
+                        params,
+                        skip_special_tokens=sampling.skip_special_tokens,
+                        include_stop=sampling.no_stop_trim,
+                    )
+                )
+
+
+def _ctx(http: HttpRequest) -> ServingContext:
+    return http.app.state.serving
+
+
+def _output(
+    ctx: ServingContext,
+    req: GenerateRequest,
+    plan: _Plan,
+    i: int,
+    done: FinishedRequest,
+    start: float,
+    clock: EncodeClock,
+) -> dict[str, Any]:
+    choice = plan.choices[i]
+    meta: dict[str, Any] = {
+        "id": plan.rids[i],
+        "finish_reason": _finish_reason(done, choice, plan.max_new[i]),
+        "prompt_tokens": done.prompt_len,
+        "completion_tokens": done.output_len,
+        "cached_tokens": done.num_cached_tokens,
+        "e2e_latency": time.perf_counter() - start,
+    }
+    if req.return_routed_experts:
+        t0 = time.perf_counter()
+        meta["routed_experts"] = ctx.sglang_routed_experts(
+            done.routed_experts, req.routed_experts_start_len
+        )
+        clock.seconds += time.perf_counter() - t0
+    return {"text": choice.text, "output_ids": done.output_token_ids.tolist(), "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(http: HttpRequest) -> Response:
+    start = time.perf_counter()
+    ctx = _ctx(http)
+    req: GenerateRequest = await read_body(http, GenerateRequest)
+    plan = _Plan(ctx, req)
+    if req.stream:
+        return StreamingResponse(
+            _stream(ctx, http, req, plan, start), media_type="text/event-stream"
+        )
+    clock = EncodeClock()
+    try:
+        finished = await generate_all(ctx, http, plan.requests)
+    except ClientGone:
+        return Response(status_code=499)
+    outputs = []
+    for i, done in enumerate(finished):
+        plan.choices[i].finish(done)
+        outputs.append(_output(ctx, req, plan, i, done, start, clock))
+    return JSONResponse(outputs if plan.batch else outputs[0], headers=clock.header())
+
+
+async def _stream(
+    ctx: ServingContext, http: HttpRequest, req: GenerateRequest, plan: _Plan, start: float
+) -> AsyncIterator[str]:
+    clock = EncodeClock()
+    tokens: list[list[int]] = [[] for _ in plan.choices]
+    try:
+        async for i, event in stream_events(ctx, http, plan.requests):
+            choice = plan.choices[i]
+            if isinstance(event, Finished):
+                choice.finish(event.request)
+                out = _output(ctx, req, plan, i, event.request, start, clock)
+            else:
+                choice.add(event.token_ids)
+                tokens[i] += event.token_ids
+                out = {
+                    "text": choice.text,
+                    "output_ids": list(tokens[i]),
+                    "meta_info": {
+                        "id": plan.rids[i],
+                        "finish_reason": None,
+                        "prompt_tokens": len(plan.requests[i].prompt_token_ids),
+                        "completion_tokens": len(tokens[i]),
+                    },
+                }
+            if plan.batch:
+                out["index"] = i
+            yield sse(out)
+    except ClientGone:
+        return
+    except FieldProblem as problem:
+        yield sse(error_body(problem.status, str(problem), problem.field))
+    yield DONE
