@@ -1,0 +1,124 @@
+"""A real ``moetrace serve`` process on loopback, and the clients' decoding rules."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEMO_HIDDEN_LAYERS = 4  # the demo: 4 decoder layers, layer 0 dense, top-2 of 16 experts
+DEMO_MOE_LAYERS = [1, 2, 3]
+DEMO_TOP_K = 2
+
+
+def vllm_decode(encoded: str) -> np.ndarray:
+    """The decoding rule of vLLM's test_return_routed_experts.py."""
+    return np.load(io.BytesIO(base64.b64decode(encoded)))
+
+
+def sglang_decode(encoded: str, num_hidden_layers: int, top_k: int) -> np.ndarray:
+    """SGLang's rule (extract_routed_experts_from_meta_info, then the reshape its users do)."""
+    flat = np.frombuffer(base64.b64decode(encoded.encode("utf-8")), dtype=np.int32)
+    return flat.reshape(-1, num_hidden_layers * top_k)
+
+
+class ServerProcess:
+    """``moetrace serve`` started as a user starts it; ``url`` once it listens."""
+
+    def __init__(self, *args: str, timeout_s: float = 120.0) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moetrace", "serve", *args, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self._url = threading.Event()
+        self.url = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._url.wait(timeout_s):
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines))
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            match = re.search(r"serving .* at (http://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                self._url.set()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._reader.join(5)
+        return code
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {
+            k.removeprefix("moetrace:"): float(v)
+            for k, v in (line.split() for line in text.splitlines() if line)
+        }
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """Metrics once no request runs or waits (or the last seen, after the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+
+def record_demo(tmp: Path, lines: list[dict], max_tokens: int) -> dict[str, dict]:
+    """What ``moetrace record`` writes for ``lines`` (greedy): id -> tokens and rows."""
+    import json
+
+    from moetrace import open_trace
+
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp / "record.h5"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moetrace", "record", "demo", str(prompts), "-o", str(out)]
+        + ["--max-tokens", str(max_tokens), "--quiet", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    with open_trace(out) as trace:
+        return {
+            r.id: {
+                "prompt": r.prompt_token_ids.tolist(),
+                "output": r.output_token_ids.tolist(),
+                "rows": np.asarray(r.routed_experts),
+            }
+            for r in trace
+        }
