@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -94,6 +95,7 @@ def serve_command(
         ) from None
     from moetrace.run_setup import check_supported
     from moetrace.serving.server import Server
+    from moetrace.trace.writer import unclosed_traces
 
     if uvicorn_log_level not in LOG_LEVELS:
         raise typer.BadParameter(
@@ -152,6 +154,11 @@ def serve_command(
         except KeyboardInterrupt:  # Ctrl-C while loading: nothing served yet
             print("interrupted before serving", file=sys.stderr)
             raise typer.Exit(130) from None
+        except MoetraceError as exc:
+            if unclosed_traces():  # HDF5 is wedged: a normal exit would crash inside it
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                os._exit(1)
+            raise
     trace = f"; trace {result.trace} closed" if result.trace else ""
     print(
         f"{result.stopped_by}: served {result.requests} requests ({result.output_tokens:,} output "

@@ -215,6 +215,9 @@ class Server:
             vocab_size=loaded.model.vocab_size,
         )
         result = ServeResult(trace=self.trace_out)
+        # The engine thread wakes from each CUDA wait wanting the GIL back; with Python's
+        # default 5 ms switch interval a busy event loop could hold it that long each step.
+        sys.setswitchinterval(0.001)
         start = time.monotonic()
         try:
             asyncio.run(self._serve(engine, writer, facts, eos, result, on_ready))
