@@ -215,7 +215,7 @@ class EngineLoop:
         if self._stopping:
             return [(handle, Failed("the server is shutting down", status=503))]
         try:
-            request = self.engine.add_request(
+            (request,) = self.engine.add_request(  # one sample: the server fans n out itself
                 req.request_id, req.prompt_token_ids, req.sampling, index=self._index
             )
         except RequestRejected as exc:

@@ -179,7 +179,13 @@ class Server:
         )
         eos = eos_token_ids(self.tokenizer, loaded.config)
         configure_cpu_threads(loaded.model, self.device)
-        engine = LLMEngine(loaded.model, self.engine_config, self.device, eos_token_ids=eos)
+        engine = LLMEngine(
+            loaded.model,
+            self.engine_config,
+            self.device,
+            eos_token_ids=eos,
+            tokenizer=self.tokenizer,  # stop strings are matched on the detokenized output
+        )
         writer = None
         if self.trace_out is not None:
             settings = {
