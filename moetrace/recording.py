@@ -24,10 +24,7 @@ from pathlib import Path
 
 import moetrace
 from moetrace.config import EngineConfig
-from moetrace.distributed.sharding import load_model_for_rank
-from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected, request_problem
-from moetrace.engine.precompile import start_compile_workers, stop_compile_workers
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError, InputError, ModelError, MoetraceError
 from moetrace.intake import Intake
@@ -38,7 +35,7 @@ from moetrace.models.registry import resolve_architecture
 from moetrace.prompt_shards import select_shard, shard_settings
 from moetrace.prompts import STDIN, PromptSpec, iter_prompts
 from moetrace.run_setup import (
-    eos_token_ids,
+    load_engine,
     load_tokenizer,
     model_context_length,
     model_metadata,
@@ -370,23 +367,16 @@ class Recording:
     ) -> RecordResult:
         """Record every prompt; ``stop`` (armed once the file is open) ends the run early."""
         startup = {"set-up": time.perf_counter() - moetrace.STARTED}
-        clock = time.perf_counter()
-        if self.device.type == "cuda" and self.engine_config.use_kernels:
-            start_compile_workers()  # forked before the weights load; compile while they do
-        try:
-            loaded = load_model_for_rank(
-                self.model_name,
-                device=self.device,
-                dtype=self.dtype,
-                load_format=self.load_format,
-                seed=self.engine_config.seed,
-            )
-            startup["weights"] = time.perf_counter() - clock
-            eos = eos_token_ids(self.tokenizer, loaded.config)
-            configure_cpu_threads(loaded.model, self.device)
-            engine = LLMEngine(loaded.model, self.engine_config, self.device, eos_token_ids=eos)
-        finally:
-            stop_compile_workers()
+        ready = load_engine(
+            self.model_name,
+            device=self.device,
+            dtype=self.dtype,
+            load_format=self.load_format,
+            config=self.engine_config,
+            tokenizer=self.tokenizer,
+        )
+        startup["weights"] = ready.weights_s
+        loaded, engine = ready.loaded, ready.engine
         self._check_kv_capacity(engine)
         architecture = loaded.model.architecture
         writer = self._writer(self.metadata(engine, architecture, loaded.config_digest))

@@ -8,12 +8,20 @@ do not import each other.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from moetrace import __version__
+from moetrace.config import EngineConfig
+from moetrace.distributed.sharding import load_model_for_rank
+from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine
+from moetrace.engine.precompile import start_compile_workers, stop_compile_workers
 from moetrace.errors import MoetraceError
 from moetrace.models.demo import model_dir
+from moetrace.models.loader import LoadedModel
 from moetrace.tokenizer import Tokenizer
 from moetrace.trace.metadata import TraceMetadata
 
@@ -100,3 +108,38 @@ def model_metadata(
         engine_settings=engine_settings,
         moetrace_version=__version__,
     )
+
+
+@dataclass
+class ReadyEngine:
+    loaded: LoadedModel
+    engine: LLMEngine
+    eos_token_ids: tuple[int, ...]
+    weights_s: float  # seconds to load the weights
+
+
+def load_engine(
+    model_name: str,
+    *,
+    device: torch.device,
+    dtype: str,
+    load_format: str,
+    config: EngineConfig,
+    tokenizer: Tokenizer | None,
+) -> ReadyEngine:
+    """The weights and an engine over them, this rank's share under tensor parallelism."""
+    clock = time.perf_counter()
+    if device.type == "cuda" and config.use_kernels:
+        start_compile_workers()  # forked before the weights load; compile while they do
+    try:
+        loaded = load_model_for_rank(
+            model_name, device=device, dtype=dtype, load_format=load_format, seed=config.seed
+        )
+        weights_s = time.perf_counter() - clock
+        eos = eos_token_ids(tokenizer, loaded.config)
+        configure_cpu_threads(loaded.model, device)
+        # The tokenizer lets the engine match stop strings on the detokenized output.
+        engine = LLMEngine(loaded.model, config, device, eos_token_ids=eos, tokenizer=tokenizer)
+    finally:
+        stop_compile_workers()
+    return ReadyEngine(loaded, engine, eos, weights_s)

@@ -25,14 +25,12 @@ import uvicorn
 
 from moetrace import __version__
 from moetrace.config import EngineConfig
-from moetrace.engine.cpu_threads import configure_cpu_threads
-from moetrace.engine.llm_engine import LLMEngine
 from moetrace.errors import MoetraceError
 from moetrace.models.demo import model_dir
-from moetrace.models.loader import load_model, read_config
+from moetrace.models.loader import read_config
 from moetrace.models.registry import resolve_architecture
 from moetrace.run_setup import (
-    eos_token_ids,
+    load_engine,
     load_tokenizer,
     model_context_length,
     model_metadata,
@@ -170,22 +168,15 @@ class Server:
 
     def run(self, on_ready: Callable[[str], None] | None = None) -> ServeResult:
         """Load, serve until stopped, close; ``on_ready`` gets the URL once it listens."""
-        loaded = load_model(
+        ready = load_engine(
             self.model_name,
             device=self.device,
             dtype=self.dtype,
             load_format=self.load_format,
-            seed=self.engine_config.seed,
+            config=self.engine_config,
+            tokenizer=self.tokenizer,
         )
-        eos = eos_token_ids(self.tokenizer, loaded.config)
-        configure_cpu_threads(loaded.model, self.device)
-        engine = LLMEngine(
-            loaded.model,
-            self.engine_config,
-            self.device,
-            eos_token_ids=eos,
-            tokenizer=self.tokenizer,  # stop strings are matched on the detokenized output
-        )
+        loaded, engine, eos = ready.loaded, ready.engine, ready.eos_token_ids
         writer = None
         if self.trace_out is not None:
             settings = {
