@@ -3,8 +3,7 @@
 import time as _time
 
 STARTED = _time.perf_counter()  # the start-up summary counts from the package's import
-__version__ = "0.1.0"
-
+from moetrace._version import __version__  # noqa: E402
 from moetrace.trace.reader import Trace, open_trace  # noqa: E402
 
 __all__ = ["Trace", "__version__", "open_trace"]

@@ -31,6 +31,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from moetrace._version import __version__
 from moetrace.errors import MoetraceError
 from moetrace.trace.diskspace import (
     RESERVE_ENV,
@@ -70,8 +71,6 @@ LIBVER = ("earliest", "v110")
 
 def _root_attrs(metadata: TraceMetadata) -> dict:
     """Root attributes a new trace starts with (counts and ``complete`` are updated later)."""
-    from moetrace import __version__
-
     attrs = {
         "format": FORMAT_NAME,
         "format_version": format_version_for(written_arrays(metadata)),
