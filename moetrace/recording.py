@@ -367,14 +367,7 @@ class Recording:
     ) -> RecordResult:
         """Record every prompt; ``stop`` (armed once the file is open) ends the run early."""
         startup = {"set-up": time.perf_counter() - moetrace.STARTED}
-        ready = load_engine(
-            self.model_name,
-            device=self.device,
-            dtype=self.dtype,
-            load_format=self.load_format,
-            config=self.engine_config,
-            tokenizer=self.tokenizer,
-        )
+        ready = load_engine(self)
         startup["weights"] = ready.weights_s
         loaded, engine = ready.loaded, ready.engine
         self._check_kv_capacity(engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -110,6 +111,17 @@ def model_metadata(
     )
 
 
+class RunSpec(Protocol):
+    """What ``load_engine`` reads of a ``Recording`` or a ``Server``."""
+
+    model_name: str
+    device: torch.device
+    dtype: str
+    load_format: str
+    engine_config: EngineConfig
+    tokenizer: Tokenizer | None
+
+
 @dataclass
 class ReadyEngine:
     loaded: LoadedModel
@@ -118,22 +130,19 @@ class ReadyEngine:
     weights_s: float  # seconds to load the weights
 
 
-def load_engine(
-    model_name: str,
-    *,
-    device: torch.device,
-    dtype: str,
-    load_format: str,
-    config: EngineConfig,
-    tokenizer: Tokenizer | None,
-) -> ReadyEngine:
+def load_engine(run: RunSpec) -> ReadyEngine:
     """The weights and an engine over them, this rank's share under tensor parallelism."""
+    device, config, tokenizer = run.device, run.engine_config, run.tokenizer
     clock = time.perf_counter()
     if device.type == "cuda" and config.use_kernels:
         start_compile_workers()  # forked before the weights load; compile while they do
     try:
         loaded = load_model_for_rank(
-            model_name, device=device, dtype=dtype, load_format=load_format, seed=config.seed
+            run.model_name,
+            device=device,
+            dtype=run.dtype,
+            load_format=run.load_format,
+            seed=config.seed,
         )
         weights_s = time.perf_counter() - clock
         eos = eos_token_ids(tokenizer, loaded.config)

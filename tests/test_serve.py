@@ -396,3 +396,88 @@ def test_usage_errors_exit_2_and_bad_paths_exit_1(tmp_path):
     assert taken.stderr.strip().splitlines() == [
         f"error: {existing} already exists (pass --overwrite to replace it)"
     ]
+
+
+# ------------------------------------------------------------- sampling features
+
+
+def test_stop_string_cuts_text_and_keeps_the_rows_of_the_tokens_kept(client):
+    base = client.completions.create(
+        model="demo",
+        prompt=PROMPTS["prose"],
+        **greedy(max_tokens=24),
+        extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]
+    text = base["text"]
+    stop = text[5:7]
+    cut = text.find(stop)
+    assert len(text) >= 8 and cut > 0 and text.isascii()  # the demo: one byte, one token
+    out = client.completions.create(
+        model="demo",
+        prompt=PROMPTS["prose"],
+        stop=[stop],
+        **greedy(max_tokens=24),
+        extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]
+    assert out["text"] == text[:cut]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] == stop
+    kept = cut + len(stop)  # up to the token that completed the stop string
+    assert out["token_ids"] == base["token_ids"][:kept]
+    rows = vllm_decode(out["routed_experts"])
+    n_prompt = len(base["prompt_token_ids"])
+    np.testing.assert_array_equal(rows, vllm_decode(base["routed_experts"])[: n_prompt + kept - 1])
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="demo", prompt=PROMPTS["prose"], stop=[stop], stream=True, **greedy(max_tokens=24)
+        )
+    )
+    assert streamed == out["text"]
+
+
+def test_logprobs_line_up_with_the_sampled_tokens(client, server):
+    out = client.completions.create(
+        model="demo",
+        prompt=PROMPTS["prose"],
+        logprobs=3,
+        **greedy(),
+        extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]
+    lp = out["logprobs"]
+    assert len(lp["token_logprobs"]) == len(out["token_ids"]) == len(lp["top_logprobs"])
+    for sampled, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert 1 <= len(top) <= 4 and sampled == pytest.approx(max(top.values()))  # greedy
+    chat = client.chat.completions.create(
+        model="demo", messages=CHAT, logprobs=True, top_logprobs=2, **greedy()
+    ).model_dump()["choices"][0]["logprobs"]["content"]
+    assert len(chat) == MAX_TOKENS and all(len(t["top_logprobs"]) == 2 for t in chat)
+    assert all(t["logprob"] == pytest.approx(t["top_logprobs"][0]["logprob"]) for t in chat)
+    gen = httpx.post(
+        server.url + "/generate",
+        json={
+            "text": PROMPTS["prose"],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        },
+        timeout=60,
+    ).json()
+    assert [t[1] for t in gen["meta_info"]["output_token_logprobs"]] == gen["output_ids"]
+
+
+def test_penalties_and_min_tokens_reach_the_engine(client):
+    def tokens(**extra):
+        return client.completions.create(
+            model="demo",
+            prompt=PROMPTS["plain"],
+            **greedy(max_tokens=16),
+            extra_body={"return_token_ids": True, **extra},
+        ).model_dump()["choices"][0]["token_ids"]
+
+    plain = tokens()
+    assert tokens(repetition_penalty=1.8) != plain  # the demo repeats spaces greedily
+    assert tokens(frequency_penalty=1.5) != plain
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="demo", prompt="x", max_tokens=4, extra_body={"min_tokens": 9}
+        )
+    assert "min_tokens" in err.value.body["message"]

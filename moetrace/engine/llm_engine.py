@@ -348,8 +348,9 @@ def _output_logprobs(request: Request) -> OutputLogprobs | None:
     return OutputLogprobs(
         token_logprob=np.asarray([t.logprob for t in kept], dtype=np.float32),
         token_rank=np.asarray([t.rank for t in kept], dtype=np.int64),
-        top_ids=np.asarray([t.top_ids[:num] for t in kept], dtype=np.int32).reshape(-1, num),
+        # (tokens, num) even when num is 0: reshape(-1, 0) cannot infer the token count.
+        top_ids=np.asarray([t.top_ids[:num] for t in kept], dtype=np.int32).reshape(len(kept), num),
         top_logprobs=np.asarray([t.top_logprobs[:num] for t in kept], dtype=np.float32).reshape(
-            -1, num
+            len(kept), num
         ),
     )

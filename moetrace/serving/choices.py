@@ -2,7 +2,11 @@
 
 As in vLLM, the token that stopped a request (EOS or one of
 ``stop_token_ids``) stays in ``token_ids`` but not in the text, unless
-``include_stop_str_in_output`` (SGLang: ``no_stop_trim``) asks for it.
+``include_stop_str_in_output`` (SGLang: ``no_stop_trim``) asks for it.  With
+stop strings the engine cuts the text where the string starts (the tokens
+stay whole), and a stream holds back the last ``len(longest stop) - 1``
+characters until it knows they are not the start of a stop string, as vLLM
+does, so streamed pieces always join to the final text.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 
 from moetrace.engine.sampling import SamplingParams
 from moetrace.serving.context import ServingContext
+from moetrace.serving.logprobs import TokenLogprobs, from_output
 from moetrace.serving.text import IncrementalText
 from moetrace.trace.records import FinishedRequest
 
@@ -31,16 +36,17 @@ class Choice:
     ctx: ServingContext
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    skip_special_tokens: bool = True
-    include_stop: bool = False
     sent_tokens: int = 0  # output tokens already streamed
+    emitted: str = ""  # text already streamed
+    final_text: str | None = None
     _text: IncrementalText | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.ctx.tokenizer is not None:
             self._text = IncrementalText(
-                self.ctx.tokenizer, self.prompt_token_ids, self.skip_special_tokens
+                self.ctx.tokenizer, self.prompt_token_ids, self.sampling.skip_special_tokens
             )
+        self._hold = max((len(s) for s in self.sampling.stop), default=1) - 1
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -48,38 +54,55 @@ class Choice:
         return frozenset(self.sampling.stop_token_ids) | frozenset(eos)
 
     def add(self, token_ids: list[int]) -> str:
-        """Text completed by newly streamed tokens."""
+        """Text completed by newly streamed tokens (less what a stop string may still take)."""
         self.sent_tokens += len(token_ids)
-        return self._text.add(token_ids) if self._text is not None else ""
+        if self._text is None:
+            return ""
+        self._text.add(token_ids)
+        upto = max(len(self.emitted), len(self._text.text) - self._hold)
+        piece = self._text.text[len(self.emitted) : upto]
+        self.emitted += piece
+        return piece
 
     def finish(self, done: FinishedRequest) -> tuple[str, list[int]]:
         """(the rest of the text, the output tokens not streamed yet)."""
         ids = done.output_token_ids.tolist()
         rest = ids[self.sent_tokens :]
         self.sent_tokens = len(ids)
-        text_ids = rest
-        if self.stopped_by_token(done) and not self.include_stop and text_ids:
-            text_ids = text_ids[:-1]
-        text = self._text.add(text_ids, final=True) if self._text is not None else ""
-        return text, rest
+        if done.output_text is not None:  # stop strings: the engine's text, cut where vLLM cuts
+            final = done.output_text
+        elif self._text is not None:
+            text_ids = rest
+            if self.stopped_by_token(done) and not self.sampling.include_stop_str_in_output:
+                text_ids = text_ids[:-1]
+            self._text.add(text_ids, final=True)
+            final = self._text.text
+        else:
+            final = ""
+        self.final_text = final
+        piece = final[len(self.emitted) :] if final.startswith(self.emitted) else ""
+        self.emitted = final
+        return piece, rest
 
     @property
     def text(self) -> str:
-        return self._text.text if self._text is not None else ""
+        return self.final_text if self.final_text is not None else self.emitted
 
     def stopped_by_token(self, done: FinishedRequest) -> bool:
         return (
             done.finish_reason == "stop"
             and done.output_len > 0
+            and not isinstance(done.stop_reason, str)
             and int(done.output_token_ids[-1]) in self.stop_token_ids
         )
 
-    def stop_reason(self, done: FinishedRequest) -> int | None:
-        """vLLM's ``stop_reason``: the stop token id, None for EOS and length."""
-        if not self.stopped_by_token(done):
-            return None
-        last = int(done.output_token_ids[-1])
-        return last if last in self.sampling.stop_token_ids else None
+    @staticmethod
+    def stop_reason(done: FinishedRequest) -> int | str | None:
+        """vLLM's ``stop_reason``: the stop token id or string; None for EOS and length."""
+        return done.stop_reason
+
+    def logprobs(self, done: FinishedRequest, start: int) -> list[TokenLogprobs] | None:
+        return None if done.logprobs is None else from_output(done.logprobs, start)
 
     def routed_experts(self, done: FinishedRequest, start: int, clock: EncodeClock) -> str | None:
         if not self.ctx.return_routed_experts:

@@ -25,7 +25,7 @@ from moetrace.trace.wire import hidden_layer_rows, int32_base64, npy_base64
 # vLLM's defaults for OpenAI requests that leave a sampling field out.
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 # generation_config.json keys vLLM's ``--generation-config auto`` takes as defaults.
-_GENERATION_KEYS = ("temperature", "top_p", "top_k")
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(model_dir: Path, mode: str) -> dict[str, Any]:

@@ -33,15 +33,17 @@ from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.engine.request import Request
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError
+from moetrace.serving.logprobs import TokenLogprobs, from_request
 from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
 
 
 @dataclass
 class NewTokens:
-    """Output tokens a streaming request gained in one step."""
+    """Output tokens a streaming request gained in one step (with their logprobs, if asked)."""
 
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -243,7 +245,12 @@ class EngineLoop:
                 continue
             n = request.num_output_tokens
             if n > live.sent:
-                events.append((live.handle, NewTokens(request.output_token_ids[live.sent : n])))
+                num = request.sampling.logprobs
+                logprobs = (
+                    None if num is None else from_request(request.logprobs[live.sent : n], num)
+                )
+                tokens = request.output_token_ids[live.sent : n]
+                events.append((live.handle, NewTokens(tokens, logprobs)))
                 live.sent = n
         return events
 

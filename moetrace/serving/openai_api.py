@@ -26,6 +26,7 @@ from moetrace.serving.choices import Choice, EncodeClock
 from moetrace.serving.context import ServingContext
 from moetrace.serving.engine_loop import EngineRequest, Finished
 from moetrace.serving.generation import ClientGone, generate_all, stream_events
+from moetrace.serving.logprobs import chat_logprobs, completion_logprobs
 from moetrace.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -78,6 +79,7 @@ def _plan(
     prompts: list[list[int]],
     max_tokens: int | None,
     prefix: str,
+    logprobs: int | None,
 ) -> Plan:
     ctx.check_model(req.model)
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
@@ -107,25 +109,34 @@ def _plan(
                     "seed": seed,
                     "stop_token_ids": list(req.stop_token_ids or []),
                     "ignore_eos": req.ignore_eos,
+                    "stop": req.stop_strings,
+                    "include_stop_str_in_output": req.include_stop_str_in_output,
+                    "skip_special_tokens": req.skip_special_tokens,
+                    "min_tokens": req.min_tokens,
+                    "min_p": req.min_p,
+                    "presence_penalty": req.presence_penalty,
+                    "frequency_penalty": req.frequency_penalty,
+                    "repetition_penalty": req.repetition_penalty,
+                    "logprobs": logprobs,
                 }
             )
             requests.append(
                 EngineRequest(f"{response_id}-{p}-{j}", ids, params, stream=bool(req.stream))
             )
-            choices.append(
-                Choice(
-                    ctx,
-                    ids,
-                    params,
-                    skip_special_tokens=req.skip_special_tokens,
-                    include_stop=req.include_stop_str_in_output,
-                )
-            )
+            choices.append(Choice(ctx, ids, params))
     return Plan(response_id, prompts, requests, choices, req.n)
 
 
 def _ctx(http: HttpRequest) -> ServingContext:
     return http.app.state.serving
+
+
+def _completion_lp(ctx: ServingContext, token_ids, lps, offset: int = 0) -> dict | None:
+    return None if lps is None else completion_logprobs(ctx.tokenizer, token_ids, lps, offset)
+
+
+def _chat_lp(ctx: ServingContext, token_ids, lps) -> dict | None:
+    return None if lps is None else chat_logprobs(ctx.tokenizer, token_ids, lps)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -136,7 +147,7 @@ async def completions(http: HttpRequest) -> Response:
     ctx = _ctx(http)
     req: CompletionRequest = await read_body(http, CompletionRequest)
     ctx.check_model(req.model)
-    plan = _plan(ctx, req, _completion_prompts(ctx, req), req.max_tokens, "cmpl")
+    plan = _plan(ctx, req, _completion_prompts(ctx, req), req.max_tokens, "cmpl", req.logprobs)
     if req.stream:
         return _sse_response(_completion_stream(ctx, http, req, plan))
     clock = EncodeClock()
@@ -151,7 +162,9 @@ async def completions(http: HttpRequest) -> Response:
             {
                 "index": i,
                 "text": choice.text,
-                "logprobs": None,
+                "logprobs": _completion_lp(
+                    ctx, done.output_token_ids.tolist(), choice.logprobs(done, 0)
+                ),
                 "finish_reason": done.finish_reason,
                 "stop_reason": choice.stop_reason(done),
                 "token_ids": done.output_token_ids.tolist() if req.return_token_ids else None,
@@ -181,11 +194,15 @@ async def _completion_stream(
     first = [True] * len(plan.choices)
     clock = EncodeClock()
 
-    def chunk(i: int, text: str, token_ids: list[int], **extra: Any) -> str:
+    offsets = [0] * len(plan.choices)
+
+    def chunk(i: int, text: str, token_ids: list[int], lps, **extra: Any) -> str:
+        logprobs = _completion_lp(ctx, token_ids, lps, offsets[i])
+        offsets[i] += len(text)
         choice: dict[str, Any] = {
             "index": i,
             "text": text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": extra.pop("finish_reason", None),
             "stop_reason": extra.pop("stop_reason", None),
             "prompt_token_ids": plan.prompt_of(i) if req.return_token_ids and first[i] else None,
@@ -214,6 +231,7 @@ async def _completion_stream(
                     i,
                     text,
                     rest,
+                    choice.logprobs(done, len(done.output_token_ids) - len(rest)),
                     finish_reason=done.finish_reason,
                     stop_reason=choice.stop_reason(done),
                     routed_experts=choice.routed_experts(
@@ -222,8 +240,8 @@ async def _completion_stream(
                 )
             else:
                 text = choice.add(event.token_ids)
-                if text or req.return_token_ids:
-                    yield chunk(i, text, event.token_ids)
+                if text or req.return_token_ids or event.logprobs:
+                    yield chunk(i, text, event.token_ids, event.logprobs)
     except FieldProblem as problem:  # the engine refused or stopped
         yield stream_error(problem)
         yield DONE
@@ -258,7 +276,8 @@ async def chat_completions(http: HttpRequest) -> Response:
     ctx = _ctx(http)
     req: ChatCompletionRequest = await read_body(http, ChatCompletionRequest)
     ctx.check_model(req.model)
-    plan = _plan(ctx, req, [_chat_prompt(ctx, req)], req.requested_max_tokens, "chatcmpl")
+    prompt = [_chat_prompt(ctx, req)]
+    plan = _plan(ctx, req, prompt, req.requested_max_tokens, "chatcmpl", req.num_logprobs)
     if req.stream:
         return _sse_response(_chat_stream(ctx, http, req, plan))
     clock = EncodeClock()
@@ -273,7 +292,7 @@ async def chat_completions(http: HttpRequest) -> Response:
             {
                 "index": i,
                 "message": {"role": "assistant", "content": choice.text},
-                "logprobs": None,
+                "logprobs": _chat_lp(ctx, done.output_token_ids.tolist(), choice.logprobs(done, 0)),
                 "finish_reason": done.finish_reason,
                 "stop_reason": choice.stop_reason(done),
                 "token_ids": done.output_token_ids.tolist() if req.return_token_ids else None,
@@ -303,7 +322,7 @@ async def _chat_stream(
     clock = EncodeClock()
     prompt_sent = False
 
-    def chunk(i: int, delta: dict[str, Any], token_ids: list[int] | None, **extra: Any) -> str:
+    def chunk(i: int, delta: dict[str, Any], token_ids: list[int], lps=None, **extra: Any) -> str:
         nonlocal prompt_sent
         body: dict[str, Any] = {
             "id": plan.response_id,
@@ -314,7 +333,7 @@ async def _chat_stream(
                 {
                     "index": i,
                     "delta": delta,
-                    "logprobs": None,
+                    "logprobs": _chat_lp(ctx, token_ids, lps),
                     "finish_reason": extra.pop("finish_reason", None),
                     "stop_reason": extra.pop("stop_reason", None),
                     "token_ids": token_ids if req.return_token_ids else None,
@@ -340,6 +359,7 @@ async def _chat_stream(
                     i,
                     {"content": text} if text else {},
                     rest,
+                    choice.logprobs(done, len(done.output_token_ids) - len(rest)),
                     finish_reason=done.finish_reason,
                     stop_reason=choice.stop_reason(done),
                     routed_experts=choice.routed_experts(
@@ -348,8 +368,8 @@ async def _chat_stream(
                 )
             else:
                 text = choice.add(event.token_ids)
-                if text or req.return_token_ids:
-                    yield chunk(i, {"content": text}, event.token_ids)
+                if text or req.return_token_ids or event.logprobs:
+                    yield chunk(i, {"content": text}, event.token_ids, event.logprobs)
     except FieldProblem as problem:  # the engine refused or stopped
         yield stream_error(problem)
         yield DONE

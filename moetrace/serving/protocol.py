@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moetrace.engine.sampling import MAX_LOGPROBS
+
 INT64 = 2**63
 
 
@@ -100,12 +102,6 @@ _COMMON_UNSUPPORTED: dict[str, Any] = {
     "stream_interval": None,
     "session_id": None,
     "prompt_embeds": None,
-    # Sampling the engine does not do yet (wired as the engine gains them).
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
 }
 
 
@@ -117,9 +113,14 @@ class SamplingFields(Strict):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -132,10 +133,12 @@ class SamplingFields(Strict):
     return_token_ids: bool | None = None
     routed_experts_prompt_start: int = Field(0, ge=0)
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     @model_validator(mode="after")
     def _checks(self) -> SamplingFields:
-        if self.stop:
-            raise FieldProblem("stop", "stop strings are not supported by moetrace serve yet")
         if self.stream_options is not None and not self.stream:
             raise FieldProblem("stream_options", "only allowed with stream: true")
         return self
@@ -145,7 +148,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -163,8 +166,6 @@ class CompletionRequest(SamplingFields):
             raise FieldProblem("echo", "echo is not supported by moetrace serve")
         if self.suffix:
             raise FieldProblem("suffix", "suffix is not supported (vLLM refuses it too)")
-        if self.logprobs is not None:
-            raise FieldProblem("logprobs", "logprobs are not supported by moetrace serve yet")
         if self.prompt == "" or self.prompt == []:
             raise FieldProblem("prompt", "empty prompt")
         return self
@@ -185,7 +186,6 @@ _CHAT_UNSUPPORTED: dict[str, Any] = {
     "mm_processor_kwargs": None,
     "return_prompt_text": None,
     "add_special_tokens": False,
-    "top_logprobs": 0,
 }
 
 
@@ -194,6 +194,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
+    top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -204,8 +205,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise FieldProblem("logprobs", "logprobs are not supported by moetrace serve yet")
+        if self.top_logprobs and not self.logprobs:
+            raise FieldProblem("top_logprobs", "needs logprobs: true (as in vLLM)")
         for i, message in enumerate(self.messages):
             if not isinstance(message.get("role"), str):
                 raise FieldProblem(f"messages.{i}.role", "each message needs a role (a string)")
@@ -218,15 +219,14 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 # --- SGLang's native /generate -------------------------------------------------------
 
 _SGLANG_SAMPLING_UNSUPPORTED: dict[str, Any] = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
     "json_schema": None,
     "regex": None,
     "ebnf": None,
@@ -244,8 +244,13 @@ class GenerateSampling(Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    min_new_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -258,13 +263,9 @@ class GenerateSampling(Strict):
     def _unsupported(cls, data: Any) -> Any:
         return _refuse_unsupported(data, _SGLANG_SAMPLING_UNSUPPORTED)
 
-    @model_validator(mode="after")
-    def _checks(self) -> GenerateSampling:
-        if self.stop:
-            raise FieldProblem(
-                "sampling_params.stop", "stop strings are not supported by moetrace serve yet"
-            )
-        return self
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 _GENERATE_UNSUPPORTED: dict[str, Any] = {
@@ -275,7 +276,6 @@ _GENERATE_UNSUPPORTED: dict[str, Any] = {
     "lora_path": None,
     "return_hidden_states": False,
     "logprob_start_len": -1,
-    "top_logprobs_num": 0,
     "token_ids_logprob": None,
     "return_text_in_logprobs": False,
     "session_params": None,
@@ -295,6 +295,7 @@ class GenerateRequest(Strict):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool | None = None
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0)
     log_metrics: bool = True
@@ -309,8 +310,6 @@ class GenerateRequest(Strict):
     def _checks(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise FieldProblem("text", "give exactly one of text and input_ids")
-        if self.return_logprob:
-            raise FieldProblem("return_logprob", "logprobs are not supported by moetrace serve yet")
         return self
 
     def sampling(self) -> GenerateSampling:

@@ -20,7 +20,8 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnava
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object, as vLLM's newest server writes it."""
-    kind = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    phrase = HTTPStatus(status).phrase.replace(" ", "")
+    kind = _ERROR_TYPES.get(status) or (phrase if phrase.endswith("Error") else phrase + "Error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

@@ -168,14 +168,7 @@ class Server:
 
     def run(self, on_ready: Callable[[str], None] | None = None) -> ServeResult:
         """Load, serve until stopped, close; ``on_ready`` gets the URL once it listens."""
-        ready = load_engine(
-            self.model_name,
-            device=self.device,
-            dtype=self.dtype,
-            load_format=self.load_format,
-            config=self.engine_config,
-            tokenizer=self.tokenizer,
-        )
+        ready = load_engine(self)
         loaded, engine, eos = ready.loaded, ready.engine, ready.eos_token_ids
         writer = None
         if self.trace_out is not None:

@@ -24,6 +24,7 @@ from moetrace.serving.choices import Choice, EncodeClock
 from moetrace.serving.context import ServingContext
 from moetrace.serving.engine_loop import EngineRequest, Finished
 from moetrace.serving.generation import ClientGone, generate_all, stream_events
+from moetrace.serving.logprobs import sglang_logprobs
 from moetrace.serving.protocol import FieldProblem, GenerateRequest, GenerateSampling
 from moetrace.serving.responses import DONE, error_body, read_body, sse
 from moetrace.trace.records import FinishedRequest
@@ -57,7 +58,9 @@ def _finish_reason(done: FinishedRequest, choice: Choice, max_new: int) -> dict[
         return {"type": "length", "length": max_new}
     if done.finish_reason == "abort":
         return {"type": "abort", "message": "aborted"}
-    matched = int(done.output_token_ids[-1]) if choice.stopped_by_token(done) else None
+    matched = done.stop_reason  # a stop string, or a stop token id
+    if matched is None and choice.stopped_by_token(done):
+        matched = int(done.output_token_ids[-1])  # EOS
     return {"type": "stop", "matched": matched}
 
 
@@ -99,21 +102,22 @@ class _Plan:
                         "seed": seed,
                         "stop_token_ids": list(sampling.stop_token_ids or []),
                         "ignore_eos": sampling.ignore_eos,
+                        "stop": sampling.stop_strings,
+                        "include_stop_str_in_output": sampling.no_stop_trim,
+                        "skip_special_tokens": sampling.skip_special_tokens,
+                        "min_tokens": sampling.min_new_tokens,
+                        "min_p": sampling.min_p,
+                        "presence_penalty": sampling.presence_penalty,
+                        "frequency_penalty": sampling.frequency_penalty,
+                        "repetition_penalty": sampling.repetition_penalty,
+                        "logprobs": req.top_logprobs_num if req.return_logprob else None,
                     }
                 )
                 rid = rids[p] if sampling.n == 1 else f"{rids[p]}-{j}"
                 self.rids.append(rid)
                 self.max_new.append(limit)
                 self.requests.append(EngineRequest(rid, ids, params, stream=req.stream))
-                self.choices.append(
-                    Choice(
-                        ctx,
-                        ids,
-                        params,
-                        skip_special_tokens=sampling.skip_special_tokens,
-                        include_stop=sampling.no_stop_trim,
-                    )
-                )
+                self.choices.append(Choice(ctx, ids, params))
 
 
 def _ctx(http: HttpRequest) -> ServingContext:
@@ -138,6 +142,9 @@ def _output(
         "cached_tokens": done.num_cached_tokens,
         "e2e_latency": time.perf_counter() - start,
     }
+    if req.return_logprob:
+        lps = choice.logprobs(done, 0) or []
+        meta.update(sglang_logprobs(done.output_token_ids.tolist(), lps, req.top_logprobs_num))
     if req.return_routed_experts:
         t0 = time.perf_counter()
         meta["routed_experts"] = ctx.sglang_routed_experts(
