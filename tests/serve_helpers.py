@@ -96,7 +96,9 @@ class ServerProcess:
             time.sleep(0.1)
 
 
-def record_demo(tmp: Path, lines: list[dict], max_tokens: int) -> dict[str, dict]:
+def record_demo(
+    tmp: Path, lines: list[dict], max_tokens: int, device: str = "cpu"
+) -> dict[str, dict]:
     """What ``moetrace record`` writes for ``lines`` (greedy): id -> tokens and rows."""
     import json
 
@@ -107,7 +109,7 @@ def record_demo(tmp: Path, lines: list[dict], max_tokens: int) -> dict[str, dict
     out = tmp / "record.h5"
     proc = subprocess.run(
         [sys.executable, "-m", "moetrace", "record", "demo", str(prompts), "-o", str(out)]
-        + ["--max-tokens", str(max_tokens), "--quiet", "--device", "cpu"],
+        + ["--max-tokens", str(max_tokens), "--quiet", "--device", device],
         capture_output=True,
         text=True,
         timeout=300,
