@@ -255,7 +255,9 @@ def test_append_refuses_another_layout(tmp_path):
     md = make_metadata()
     with TraceWriter(tmp_path / "t.h5", md) as w:
         w.submit(mixed_requests(md, n=1)[0])
-    with pytest.raises(MoetraceError, match="cannot append.*rows are uint8 \\[3, 4\\]"):
+    with pytest.raises(
+        MoetraceError, match="cannot append.*routed_experts entries are uint8 \\[3, 4\\]"
+    ):
         TraceWriter(tmp_path / "t.h5", make_metadata(layers=2), append=True).start()
     with pytest.raises(MoetraceError, match="no trace file"):
         TraceWriter(tmp_path / "none.h5", md, append=True).start()

@@ -1,8 +1,8 @@
 """The record schema: today's writer writes what the earlier one wrote, and the schema grows.
 
-Growing it is what the next format versions do (gate weights, log-probabilities,
-per-request fields); the last tests add an array and a column the way
-trace/records.py says to, and check what each kind of reader then sees.
+Format version 2 grew it by two optional arrays (gate weights, log-probabilities)
+the way trace/records.py says to; the last tests check what each kind of reader
+then sees.
 """
 
 from __future__ import annotations
@@ -73,87 +73,101 @@ def test_a_column_missing_from_a_file_reads_as_its_default_or_is_refused():
         RecordDecoder(without_index)
 
 
-# -- adding an optional per-row array, as format version 2 would -----------------------
-
-WEIGHTS = records.FlatArray(
-    "routed_weights",
-    records.ROWS,
-    dtype=lambda md: np.dtype("<f2"),
-    shape=lambda md: (md.num_moe_layers, md.top_k),
-    since=2,
-    written=lambda md: md.engine_settings.get("weights", False),
-)
+# -- the optional arrays of format version 2: gate weights and log-probabilities -------
 
 
-@dataclasses.dataclass
-class WeightedRequest(FinishedRequest):
-    routed_weights: np.ndarray | None = None
-
-
-@dataclasses.dataclass(kw_only=True)
-class WeightedTraceRequest(WeightedRequest, reader_module.TraceRequest):
-    pass
-
-
-@pytest.fixture
-def version_2(monkeypatch):
-    """moetrace as it would be with ``routed_weights`` declared: one FlatArray, one attribute."""
-    monkeypatch.setattr(records, "ARRAYS", (*records.ARRAYS, WEIGHTS))
-    monkeypatch.setattr(reader_module, "ARRAYS", records.ARRAYS)
-    monkeypatch.setattr(reader_module, "TraceRequest", WeightedTraceRequest)
-    monkeypatch.setattr(reader_module, "FORMAT_VERSION", 2)
-
-
-def _weighted(name: str, with_weights: bool):
-    md = TraceMetadata(**legacy_metadata_fields(name))
-    md.engine_settings = {**md.engine_settings, "weights": with_weights}
+def _weighted(name: str, *, weights: str | None, logprobs: bool = False):
+    md = TraceMetadata(**legacy_metadata_fields(name), weights_dtype=weights, logprobs=logprobs)
     rng = np.random.default_rng(3)
     reqs = []
     for r in expected_requests(name):
-        weights = rng.random(r["routed_experts"].shape).astype(np.float16)
-        reqs.append(WeightedRequest(**r, routed_weights=weights if with_weights else None))
+        extra = {}
+        if weights is not None:
+            extra["routed_weights"] = rng.random(r["routed_experts"].shape).astype(weights)
+        if logprobs:
+            extra["output_logprobs"] = -rng.random(len(r["output_token_ids"])).astype(np.float32)
+        reqs.append(FinishedRequest(**r, **extra))
     return md, reqs
 
 
-def test_an_optional_array_round_trips_and_is_checksummed(tmp_path, version_2):
-    md, reqs = _weighted("trace_v1_uint8.h5", with_weights=True)
+@pytest.mark.parametrize("weights", ["float16", "float32"])
+def test_optional_arrays_round_trip_and_are_checksummed(tmp_path, weights):
+    md, reqs = _weighted("trace_v1_uint8.h5", weights=weights, logprobs=True)
     path = tmp_path / "weighted.h5"
     _write(path, md, reqs)
     with open_trace(path) as trace:
         assert trace.metadata["format_version"] == 2
         for got, want in zip(trace, reqs, strict=True):
             np.testing.assert_array_equal(got.routed_weights, want.routed_weights)
+            assert got.routed_weights.dtype == np.dtype(weights)
+            np.testing.assert_array_equal(got.output_logprobs, want.output_logprobs)
             np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
         assert trace.verify() == []
-    with h5py.File(path, "r+") as f:
-        f["routed_weights"][5, 0, 0] += 1  # a weight changed: its request's checksum fails
-    with open_trace(path) as trace:
-        problems = trace.verify()
-    assert len(problems) == 1 and "checksum mismatch" in problems[0]
+    with h5py.File(path, "r") as f:  # laid out as token_ids: NaN for every prompt token
+        rec = f["requests"][0]
+        t0, p = int(rec["token_start"]), int(rec["prompt_len"])
+        assert np.isnan(f["logprobs"][t0 : t0 + p]).all()
+    for name, where in (("routed_weights", (5, 0, 0)), ("logprobs", (-1,))):
+        damaged = tmp_path / f"damaged-{name}.h5"
+        damaged.write_bytes(path.read_bytes())
+        with h5py.File(damaged, "r+") as f:
+            f[name][where] += 1  # one value changed: its request's checksum fails
+        with open_trace(damaged) as trace:
+            problems = trace.verify()
+        assert len(problems) == 1 and "checksum mismatch" in problems[0], name
 
 
-def test_without_the_array_a_trace_stays_version_1(tmp_path, version_2):
-    md, reqs = _weighted("trace_v1_uint8.h5", with_weights=False)
+def test_without_the_arrays_a_trace_stays_version_1(tmp_path):
+    md, reqs = _weighted("trace_v1_uint8.h5", weights=None)
     path = tmp_path / "plain.h5"
     _write(path, md, reqs)
     with h5py.File(path, "r") as new, h5py.File(DATA / "trace_v1_uint8.h5", "r") as old:
-        assert "routed_weights" not in new and new.attrs["format_version"] == 1
+        assert "routed_weights" not in new and "logprobs" not in new
+        assert new.attrs["format_version"] == 1
         names = list(old["requests"].dtype.names)
         assert new["requests"].fields(names)[:].tolist() == old["requests"][:].tolist()
     with open_trace(DATA / "trace_v1_uint8.h5") as trace:
-        assert all(req.routed_weights is None for req in trace)
+        assert all(req.routed_weights is None and req.output_logprobs is None for req in trace)
         assert trace.verify() == []
     with pytest.raises(ValueError, match="routed_weights is none"):
-        _write(tmp_path / "mixed.h5", _weighted("trace_v1_uint8.h5", True)[0], reqs)
+        _write(tmp_path / "mixed.h5", _weighted("trace_v1_uint8.h5", weights="float16")[0], reqs)
+    md_lp, _ = _weighted("trace_v1_uint8.h5", weights=None, logprobs=True)
+    with pytest.raises(ValueError, match="logprobs is none"):
+        _write(tmp_path / "mixed-lp.h5", md_lp, reqs)
 
 
-def test_a_reader_that_predates_the_array_refuses_the_file(tmp_path, version_2, monkeypatch):
-    md, reqs = _weighted("trace_v1_uint8.h5", with_weights=True)
+def test_a_reader_that_predates_the_arrays_refuses_the_file(tmp_path, monkeypatch):
+    md, reqs = _weighted("trace_v1_uint8.h5", weights="float16")
     path = tmp_path / "weighted.h5"
     _write(path, md, reqs)
     monkeypatch.setattr(reader_module, "FORMAT_VERSION", 1)
     with pytest.raises(MoetraceError, match="format version 2 is newer"):
         open_trace(path)
+
+
+def test_appending_refuses_other_optional_arrays(tmp_path):
+    md, reqs = _weighted("trace_v1_uint8.h5", weights="float16")
+    path = tmp_path / "weighted.h5"
+    _write(path, md, reqs[:3])
+    for other in (
+        dataclasses.replace(md, weights_dtype="float32"),
+        dataclasses.replace(md, weights_dtype=None),
+        dataclasses.replace(md, logprobs=True),
+    ):
+        with pytest.raises(MoetraceError, match="cannot append"):
+            TraceWriter(path, other, append=True).start()
+    writer = TraceWriter(path, md, append=True).start()
+    for req in reqs[3:]:
+        writer.submit(req)
+    writer.close()
+    with open_trace(path) as trace:
+        assert trace.verify() == [] and trace.num_requests == len(reqs)
+        np.testing.assert_array_equal(trace.request(-1).routed_weights, reqs[-1].routed_weights)
+
+
+def test_weights_dtype_is_checked():
+    with pytest.raises(ValueError, match="weights_dtype"):
+        _weighted("trace_v1_uint8.h5", weights="bfloat16")
 
 
 def test_samples_of_one_prompt_round_trip_and_an_older_table_refuses_them(tmp_path):

@@ -35,6 +35,8 @@ MUST_MATCH = (
     "row_order",
     "dtype",
 )
+# Which optional arrays a shard holds, beside its attributes.
+ARRAYS_MUST_MATCH = ("weights_dtype", "has_logprobs")
 
 
 def metadata_of(trace: Trace) -> TraceMetadata:
@@ -51,6 +53,8 @@ def metadata_of(trace: Trace) -> TraceMetadata:
         tokenizer=md.get("tokenizer") or None,
         dtype=md["dtype"],
         engine_settings=md.get("engine_settings") or {},
+        weights_dtype=trace.weights_dtype,
+        logprobs=trace.has_logprobs,
     )
 
 
@@ -65,6 +69,13 @@ def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> lis
                 raise MoetraceError(
                     f"{shard.path} is not a shard of the same recording as {first.path}: "
                     f"{key} {b!r} vs {a!r}"
+                )
+        for name in ARRAYS_MUST_MATCH:
+            a, b = getattr(first, name), getattr(shard, name)
+            if a != b:
+                raise MoetraceError(
+                    f"{shard.path} is not a shard of the same recording as {first.path}: "
+                    f"{name} {b!r} vs {a!r}"
                 )
         if shard.metadata.get("model") != first.metadata.get("model"):
             notes.append(

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 FORMAT_NAME = "moetrace-trace"
-FORMAT_VERSION = 1
+WEIGHT_DTYPES = ("float16", "float32")  # what routed_weights may be stored as
+FORMAT_VERSION = 2  # the newest this code reads and writes (trace-format.md)
 
 
 def expert_id_dtype(num_experts: int) -> np.dtype:
@@ -37,6 +38,14 @@ class TraceMetadata:
     dtype: str = "float32"  # compute dtype
     engine_settings: dict = field(default_factory=dict)  # JSON-able
     moetrace_version: str = ""
+    weights_dtype: str | None = None  # "float16" or "float32": routed_weights is written
+    logprobs: bool = False  # the logprobs array is written
+
+    def __post_init__(self) -> None:
+        if self.weights_dtype not in (None, *WEIGHT_DTYPES):
+            raise ValueError(
+                f"weights_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weights_dtype!r}"
+            )
 
     @property
     def num_moe_layers(self) -> int:

@@ -21,8 +21,10 @@ from moetrace.trace.integrity import expected_num_rows, plain_value, request_che
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
 from moetrace.trace.records import (
     ARRAYS,
+    LOGPROBS,
     REQUESTS,
     ROUTED_EXPERTS,
+    ROUTED_WEIGHTS,
     ROWS,
     TOKEN_IDS,
     TOKENS,
@@ -158,6 +160,17 @@ class Trace:
     @property
     def top_k(self) -> int:
         return int(self.metadata["top_k"])
+
+    @property
+    def weights_dtype(self) -> str | None:
+        """``"float16"`` or ``"float32"``: how the gate weights are stored; None without them."""
+        ds = self._data.get(ROUTED_WEIGHTS)
+        return None if ds is None else ds.dtype.name
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the trace holds output tokens' log-probabilities."""
+        return LOGPROBS in self._data
 
     @property
     def requests(self) -> np.ndarray:

@@ -9,9 +9,10 @@ the request checksum, merge and the importers are all derived from
 
 - a new per-request field is one ``Column`` plus its attribute (with a
   default) on ``FinishedRequest``;
-- a new per-row or per-token array (gate weights, log-probabilities) is one
-  ``FlatArray`` with ``since`` set to the next format version, plus its
-  attribute (default ``None``) on ``FinishedRequest``.
+- a new per-row or per-token array is one ``FlatArray`` with ``since`` set to
+  the next format version, plus its attribute (default ``None``) on
+  ``FinishedRequest`` (format 2 added the gate weights and log-probabilities
+  that way).
 
 How such additions keep older files readable and newer files honest towards
 older readers is stated in docs/trace-format.md ("Changing the format").
@@ -32,6 +33,8 @@ from moetrace.trace.metadata import TraceMetadata
 REQUESTS = "requests"
 ROUTED_EXPERTS = "routed_experts"
 TOKEN_IDS = "token_ids"
+ROUTED_WEIGHTS = "routed_weights"
+LOGPROBS = "logprobs"
 
 FINISH_REASONS = ("stop", "length", "abort")
 FINISH_REASON_DTYPE = h5py.enum_dtype(
@@ -79,6 +82,10 @@ class FinishedRequest:
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)  # JSON-able, free-form
     sample_index: int = 0  # which of the prompt's n samples (0 unless n > 1)
+    # Gate weight of each recorded expert, shaped and ordered as routed_experts (format 2).
+    routed_weights: np.ndarray | None = None  # float16 or float32 (num_rows, L, k)
+    # Log-probability of each output token under the model that ran it (format 2).
+    output_logprobs: np.ndarray | None = None  # float32 (output_len,)
     # Handed out by the engine, not stored in the trace:
     stop_reason: int | str | None = None  # vLLM's: the stop token id (not EOS) or stop string
     output_text: str | None = None  # detokenized output cut at a stop string (with stop strings)
@@ -278,6 +285,19 @@ def _split_tokens(tokens: np.ndarray, prompt_len: int) -> dict:
     return {"prompt_token_ids": tokens[:prompt_len], "output_token_ids": tokens[prompt_len:]}
 
 
+def _join_logprobs(req: FinishedRequest) -> np.ndarray | None:
+    """Laid out as ``token_ids``: NaN for each prompt token, then the output tokens' values."""
+    if req.output_logprobs is None:
+        return None
+    out = np.full(req.prompt_len + len(req.output_logprobs), np.nan, dtype="<f4")
+    out[req.prompt_len :] = req.output_logprobs
+    return out
+
+
+def _split_logprobs(values: np.ndarray, prompt_len: int) -> dict:
+    return {"output_logprobs": values[prompt_len:]}
+
+
 # In checksum order: a request's checksum covers its slice of each array the file holds,
 # in this order (docs/trace-format.md, "Checksum").
 ARRAYS: tuple[FlatArray, ...] = (
@@ -294,6 +314,28 @@ ARRAYS: tuple[FlatArray, ...] = (
         shape=lambda md: (),
         join=_join_tokens,
         split=_split_tokens,
+    ),
+    # Format 2: the gate weights beside the ids (``record --record-weights``).
+    FlatArray(
+        ROUTED_WEIGHTS,
+        ROWS,
+        dtype=lambda md: np.dtype(md.weights_dtype).newbyteorder("<"),
+        shape=lambda md: (md.num_moe_layers, md.top_k),
+        since=2,
+        written=lambda md: md.weights_dtype is not None,
+    ),
+    # Format 2: one float32 per token, NaN where none was computed (``record --logprobs``:
+    # the prompt tokens).  Per token rather than per output token, so that it is sliced
+    # by the offsets every record already has.
+    FlatArray(
+        LOGPROBS,
+        TOKENS,
+        dtype=lambda md: np.dtype("<f4"),
+        shape=lambda md: (),
+        since=2,
+        written=lambda md: md.logprobs,
+        join=_join_logprobs,
+        split=_split_logprobs,
     ),
 )
 

@@ -489,13 +489,14 @@ class TraceWriter:
                 raise MoetraceError(
                     f"it holds {', '.join(unwritten)}, which this run does not write"
                 )
-            routed, table = f[ROUTED_EXPERTS], f[REQUESTS]
-            layout = (md.num_moe_layers, md.top_k)
-            if routed.shape[1:] != layout or routed.dtype != md.expert_dtype:
-                raise MoetraceError(
-                    f"its rows are {routed.dtype} {list(routed.shape[1:])}, "
-                    f"this run writes {md.expert_dtype} {list(layout)}"
-                )
+            table = f[REQUESTS]
+            for array in self._arrays:
+                ds, shape, dtype = f[array.name], array.shape(md), array.dtype(md)
+                if ds.shape[1:] != shape or ds.dtype != dtype:
+                    raise MoetraceError(
+                        f"its {array.name} entries are {ds.dtype} {list(ds.shape[1:])}, "
+                        f"this run writes {dtype} {list(shape)}"
+                    )
             columns = table_columns(table.dtype)
             if columns is None:
                 raise MoetraceError("its request table has other fields")
