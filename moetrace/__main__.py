@@ -1,5 +1,5 @@
 """Run as ``python -m moetrace``."""
 
-from moetrace.cli.app import main
+from moetrace.cli.entry import main
 
 main()

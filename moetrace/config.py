@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# Positions, slots and block ids live in int32 arrays (and CUDA kernels index with them).
+INT32_MAX = 2**31 - 1
+MAX_BLOCK_SIZE = 1 << 16  # tokens per KV block; vLLM offers up to 256
+
 
 @dataclass
 class EngineConfig:
@@ -28,17 +32,31 @@ class EngineConfig:
 
         checks = [
             (
-                self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-                f"--block-size must be a power of two, got {self.block_size}",
+                1 <= self.block_size <= MAX_BLOCK_SIZE
+                and self.block_size & (self.block_size - 1) == 0,
+                f"--block-size must be a power of two up to {MAX_BLOCK_SIZE}, got {self.block_size}",
             ),
             (
-                self.num_kv_blocks is None or self.num_kv_blocks >= 1,
-                f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}",
+                self.num_kv_blocks is None or 1 <= self.num_kv_blocks <= INT32_MAX,
+                f"--num-kv-blocks must be in 1..{INT32_MAX}, got {self.num_kv_blocks}",
             ),
-            (self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"),
             (
-                self.max_num_batched_tokens >= 1,
-                f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}",
+                self.num_kv_blocks is None or self.num_kv_blocks * self.block_size <= INT32_MAX,
+                f"--num-kv-blocks {self.num_kv_blocks} of {self.block_size} tokens: more than "
+                f"{INT32_MAX} KV slots",
+            ),
+            (
+                1 <= self.max_num_seqs <= INT32_MAX,
+                f"--max-num-seqs must be in 1..{INT32_MAX}, got {self.max_num_seqs}",
+            ),
+            (
+                1 <= self.max_num_batched_tokens <= INT32_MAX,
+                f"--max-num-batched-tokens must be in 1..{INT32_MAX}, "
+                f"got {self.max_num_batched_tokens}",
+            ),
+            (
+                self.max_model_len is None or 1 <= self.max_model_len <= INT32_MAX,
+                f"--max-model-len must be in 1..{INT32_MAX}, got {self.max_model_len}",
             ),
             (
                 self.max_cudagraph_capture_size >= 1,

@@ -5,7 +5,8 @@ the loop's own thread.  Standard input is a stream whose producer may pause
 for minutes: a blocking read in the loop would hold back requests already
 read (and a stop signal) until the next line arrives.  So a daemon thread
 reads standard input ahead into a bounded queue, and the loop takes what is
-ready while the engine has work, and waits only when it has none.
+ready while the engine has work, and waits only when it has none, in short
+slices, so that a stop flag set by a signal handler is seen at once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class _Raised:
 
 
 class Intake(Generic[T]):
-    """``take(block)``: the next item, None if none is ready (non-blocking), StopIteration at the end.
+    """``take(wait_s)``: the next item, None if none came within ``wait_s``, StopIteration at the end.
 
     An exception raised by the source comes out of ``take`` in its place in
     the sequence, so items read before a bad line are still run.
@@ -50,11 +51,12 @@ class Intake(Generic[T]):
             return
         self._queue.put(_END)
 
-    def take(self, block: bool) -> T | None:
+    def take(self, wait_s: float = 0.0) -> T | None:
+        """A file source is read in place (it never waits); a threaded one waits up to ``wait_s``."""
         if self._queue is None:
             return next(self._source)
         try:
-            item = self._queue.get(block=block)
+            item = self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait()
         except queue.Empty:
             return None
         if item is _END:

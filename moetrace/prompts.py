@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moetrace.engine.sampling import sampling_problem
 from moetrace.errors import InputError
 
 STDIN = "-"
@@ -26,6 +26,10 @@ STDIN_NAME = "<stdin>"
 
 # Token ids end up in int32 arrays; anything larger can only be a mistake.
 MAX_TOKEN_ID = 2**31 - 1
+# Prompt lines longer than ``line_limit(context)`` are refused while they are read.
+BYTES_PER_CONTEXT_TOKEN = 64
+MIN_MAX_LINE_BYTES = 1 << 20
+DEFAULT_MAX_LINE_BYTES = 256 << 20  # without a model to size it (the parser on its own)
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
@@ -99,10 +103,6 @@ def _json_type(value: Any) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 @dataclass
@@ -207,31 +207,16 @@ def _messages(where: _Line, value: Any) -> list[dict]:
 
 def _sampling(where: _Line, key: str, name: str, value: Any) -> Any:
     """Validate one override; ``name`` is the canonical key, ``key`` as written."""
-    if name == "max_tokens":
-        if not _is_int(value) or value < 1:
-            raise where.error(key, f"expected a positive integer, got {_show(value)}")
-        return value
-    if name == "temperature":
-        if not _is_number(value) or value < 0:
-            raise where.error(key, f"expected a number >= 0, got {_show(value)}")
-        return float(value)
-    if name == "top_p":
-        if not _is_number(value) or not 0 < value <= 1:
-            raise where.error(key, f"expected a number in (0, 1], got {_show(value)}")
-        return float(value)
-    if name == "top_k":
-        if not _is_int(value) or value < -1:
-            raise where.error(
-                key, f"expected a positive integer (0 or -1 to disable), got {_show(value)}"
-            )
-        return max(value, 0)
-    if name == "seed":
-        if not _is_int(value) or not -(2**63) <= value < 2**64:
-            raise where.error(key, f"expected a 64-bit integer, got {_show(value)}")
-        return value
     if name == "stop_token_ids":
         return _token_ids(where, key, value, allow_empty=True)
-    raise AssertionError(name)
+    problem = sampling_problem(name, value)  # the same rules as the command line's
+    if problem is not None:
+        raise where.error(key, f"{problem}, got {_show(value)}")
+    if name in ("temperature", "top_p"):
+        return float(value)
+    if name == "top_k":
+        return max(value, 0)
+    return value
 
 
 @dataclass
@@ -369,13 +354,22 @@ class PromptReader:
     source with no usable prompt raises at the end of iteration.
     """
 
-    def __init__(self, source: str | os.PathLike[str], *, skip_invalid: bool = False) -> None:
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        skip_invalid: bool = False,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    ) -> None:
         self.skip_invalid = skip_invalid
+        self.max_line_bytes = max_line_bytes  # longer lines are refused unread (line_limit)
         self.errors: list[InputError] = []
         self.count = 0  # accepted prompts in the last (or current) iteration
         self._path: Path | None = None
         if str(source) == STDIN:
             self.source = STDIN_NAME
+            if sys.stdin is None:  # started with standard input closed (`<&-`)
+                raise InputError(self.source, None, None, "standard input is closed")
             return
         self.source = str(source)
         path = Path(source)
@@ -386,16 +380,33 @@ class PromptReader:
             raise InputError(self.source, None, None, "is a directory, not a JSONL file")
         self._path = path
 
-    def _lines(self) -> Iterator[bytes | str]:
+    def _lines(self) -> Iterator[bytes | str | _LongLine]:
         if self._path is None:
-            yield from getattr(sys.stdin, "buffer", sys.stdin)
+            yield from self._bounded(_stdin_binary())
             return
         try:
             stream = self._path.open("rb")
         except OSError as e:
             raise InputError(self.source, None, None, (e.strerror or str(e)).lower()) from None
         with stream:
-            yield from stream
+            yield from self._bounded(stream)
+
+    def _bounded(self, stream) -> Iterator[bytes | str | _LongLine]:
+        """Lines of at most ``max_line_bytes``; the rest of a longer one is skipped unkept."""
+        limit = self.max_line_bytes
+        try:
+            while line := stream.readline(limit + 1):
+                if len(line) <= limit or line[-1:] in ("\n", b"\n"):
+                    yield line
+                    continue
+                while (rest := stream.readline(1 << 16)) and rest[-1:] not in ("\n", b"\n"):
+                    pass
+                yield _LongLine(limit)
+        except OSError as e:  # standard input that is a directory, a read error
+            where = "standard input" if self._path is None else "the file"
+            raise InputError(
+                self.source, None, None, f"cannot read {where}: {(e.strerror or str(e)).lower()}"
+            ) from None
 
     def __iter__(self) -> Iterator[PromptSpec]:
         self.errors = []
@@ -404,6 +415,8 @@ class PromptReader:
         nonblank = 0
         for lineno, raw in enumerate(self._lines(), 1):
             try:
+                if isinstance(raw, _LongLine):
+                    raise InputError(self.source, lineno, None, raw.problem())
                 text = _decode(self.source, lineno, raw)
             except InputError as err:
                 nonblank += 1
@@ -466,6 +479,44 @@ class PromptReader:
         self.errors.append(err)
 
 
+@dataclass(frozen=True)
+class _LongLine:
+    """Stands for a line longer than the reader's limit, which was skipped without keeping it."""
+
+    limit: int
+
+    def problem(self) -> str:
+        return (
+            f"line is longer than {self.limit:,} bytes, more than any prompt that fits the "
+            f"model's context can take ({BYTES_PER_CONTEXT_TOKEN} bytes a token of context, "
+            f"at least {MIN_MAX_LINE_BYTES >> 20} MiB); refused without reading it whole"
+        )
+
+
+def line_limit(context_tokens: int) -> int:
+    """The longest prompt line worth reading for a model with this context.
+
+    A token of text takes a few bytes (JSON-escaped CJK about 9, a token id in a
+    list at most 12); 64 bytes a token leaves room for whitespace runs and message
+    overhead.  Reading and tokenizing an over-long line cost 2 min and 9.6 GB for
+    50 MB before it was refused for the context; now it is refused as it is read.
+    """
+    return max(MIN_MAX_LINE_BYTES, BYTES_PER_CONTEXT_TOKEN * context_tokens)
+
+
+def _stdin_binary():
+    """Standard input as bytes, through a reader of our own where there is a file descriptor.
+
+    The intake thread may be blocked in a read when the process ends; on
+    ``sys.stdin`` itself that read holds the lock the interpreter takes to close
+    it at exit, which aborts the interpreter ("could not acquire lock").
+    """
+    try:
+        return os.fdopen(sys.stdin.fileno(), "rb", closefd=False)
+    except (AttributeError, OSError, ValueError):  # replaced by a stream without a descriptor
+        return getattr(sys.stdin, "buffer", sys.stdin)
+
+
 def _decode(source: str, lineno: int, raw: bytes | str) -> str:
     if isinstance(raw, bytes):
         try:
@@ -478,13 +529,18 @@ def _decode(source: str, lineno: int, raw: bytes | str) -> str:
     return raw.removeprefix("\ufeff") if lineno == 1 else raw
 
 
-def iter_prompts(source: str | os.PathLike[str], *, skip_invalid: bool = False) -> PromptReader:
+def iter_prompts(
+    source: str | os.PathLike[str],
+    *,
+    skip_invalid: bool = False,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> PromptReader:
     """Prompts from a JSONL path or ``-`` (stdin), read lazily.
 
     The returned reader is iterated for ``PromptSpec``s; with ``skip_invalid``
     its ``errors`` list holds the lines that were skipped.
     """
-    return PromptReader(source, skip_invalid=skip_invalid)
+    return PromptReader(source, skip_invalid=skip_invalid, max_line_bytes=max_line_bytes)
 
 
 def read_prompts(source: str | os.PathLike[str]) -> list[PromptSpec]:

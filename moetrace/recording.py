@@ -15,12 +15,16 @@ the ids it holds (docs/reliability.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 import moetrace
 from moetrace.config import EngineConfig
@@ -32,8 +36,9 @@ from moetrace.models.demo import model_dir
 from moetrace.models.fingerprint import weights_digest
 from moetrace.models.loader import config_digest, read_config, resolve_dtype
 from moetrace.models.registry import resolve_architecture
+from moetrace.preflight import MemoryAsk, preflight
 from moetrace.prompt_shards import select_shard, shard_settings
-from moetrace.prompts import STDIN, PromptSpec, iter_prompts
+from moetrace.prompts import STDIN, PromptSpec, iter_prompts, line_limit
 from moetrace.run_setup import (
     load_engine,
     load_tokenizer,
@@ -41,7 +46,7 @@ from moetrace.run_setup import (
     model_metadata,
     resolve_device,
 )
-from moetrace.signals import GracefulStop, Interrupted, StopNow, signal_name
+from moetrace.signals import GracefulStop, Interrupted, signal_name
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.resume import ResumePoint, check_settings, open_resume_point, result_settings
 from moetrace.trace.writer import TraceWriter
@@ -95,6 +100,7 @@ def _input_error_dict(err: InputError) -> dict:
 
 
 ProgressCallback = Callable[[RecordResult, int | None], None]
+_WAIT_SLICE_S = 0.1  # an idle loop waiting for standard input looks at the stop flag this often
 
 
 def prompt_token_ids(spec: PromptSpec, tokenizer, source: str) -> list[int]:
@@ -148,7 +154,7 @@ class Recording:
         engine.validate()
         if resume and overwrite:
             raise MoetraceError("--resume and --overwrite exclude each other")
-        if flush_interval_s <= 0 or flush_every_requests < 1:
+        if not 0 < flush_interval_s < math.inf or flush_every_requests < 1:
             raise MoetraceError("--flush-interval must be > 0 and --flush-every at least 1")
         self.model_name = model
         self.engine_config = engine
@@ -169,15 +175,16 @@ class Recording:
             self.extra_settings.update(shard_settings(num_shards, shard_index))
         self.resume = resume and self.output.exists()
         self._check_output()
-        self.reader = select_shard(
-            iter_prompts(prompts, skip_invalid=skip_invalid), num_shards, shard_index
-        )
+        prompt_reader = iter_prompts(prompts, skip_invalid=skip_invalid)
+        self.reader = select_shard(prompt_reader, num_shards, shard_index)
         self.source = self.reader.source
         self.streaming = prompts == STDIN
         self.config = read_config(model_dir(model))
         resolve_architecture(self.config, model)
+        self._preflight()
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = model_context_length(model, self.config, engine.max_model_len)
+        prompt_reader.max_line_bytes = line_limit(self.max_model_len)
         self.resume_point: ResumePoint | None = None
         if self.resume:
             self.resume_point = open_resume_point(self.output, self._expected_settings())
@@ -186,6 +193,20 @@ class Recording:
         self.expected_requests: int | None = None  # valid requests in the input, when known
         if not self.streaming:
             self.total = self._prevalidate()
+
+    def _preflight(self) -> None:
+        """The model built on ``meta`` against the weights' headers and the device's memory."""
+        engine = self.engine_config
+        preflight(
+            self.config,
+            model_dir(self.model_name),
+            self.model_name,
+            dtype=resolve_dtype(self.dtype, self.config, self.device),
+            device=self.device,
+            load_format=self._effective_load_format(),
+            ask=MemoryAsk(engine.num_kv_blocks, engine.block_size, engine.max_num_batched_tokens),
+            whole_model_on_device=int(self.extra_settings.get("tensor_parallel_size", 1)) <= 1,
+        )
 
     def _check_output(self) -> None:
         out = self.output
@@ -367,7 +388,8 @@ class Recording:
     ) -> RecordResult:
         """Record every prompt; ``stop`` (armed once the file is open) ends the run early."""
         startup = {"set-up": time.perf_counter() - moetrace.STARTED}
-        ready = load_engine(self)
+        with _out_of_memory_is_one_line(self.device):
+            ready = load_engine(self)
         startup["weights"] = ready.weights_s
         loaded, engine = ready.loaded, ready.engine
         self._check_kv_capacity(engine)
@@ -404,8 +426,9 @@ class Recording:
                 if progress is not None:
                     result.elapsed_s = time.perf_counter() - start
                     progress(result, self.total)
-            if not (exhausted and not engine.has_unfinished()):
-                interrupted = stop.signum
+            # A signal that came before this point marks the file incomplete, even if the
+            # input ended meanwhile: the run stopped on request, and --resume completes it.
+            interrupted = stop.signum
             complete = pending_error is None and interrupted is None
             if interrupted is not None:
                 end_reason = f"interrupted by {signal_name(interrupted)}"
@@ -441,20 +464,21 @@ class Recording:
     ) -> tuple[bool, BaseException | None]:
         """Add what is ready, up to ``window`` requests in the engine; waits only if it is idle.
 
-        Returns (intake ended, the error that ended it).  A stop signal while
-        waiting returns at once with the intake still open.
+        Returns (intake ended, the error that ended it).  While it waits it
+        looks at the stop flag every ``_WAIT_SLICE_S``: a signal handler only
+        sets the flag, so a stop while waiting returns within that slice.
         """
         while engine.num_unfinished < window:
+            idle = not engine.has_unfinished()
             try:
-                with stop.interruptible():
-                    item = intake.take(block=not engine.has_unfinished())
-            except StopNow:
-                return False, None
+                item = intake.take(_WAIT_SLICE_S if idle else 0.0)
             except StopIteration:
                 return True, None
             except InputError as err:  # streaming input: stop intake, keep what runs
                 return True, err
             if item is None:
+                if idle and not stop.requested:
+                    continue
                 return False, None
             spec, ids, params = item
             try:
@@ -476,6 +500,23 @@ class Recording:
             f"({result.requests} from this run{kept}); {result.dropped_in_flight} in flight were "
             "dropped; marked incomplete, rerun with --resume to finish"
         )
+
+
+@contextlib.contextmanager
+def _out_of_memory_is_one_line(device: torch.device) -> Iterator[None]:
+    """Loading and setting up within the memory the preflight counted can still fail
+    (activations, other processes): one line that names the options, not a traceback."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+        oom = not isinstance(exc, RuntimeError) or "can't allocate memory" in str(exc)
+        if not oom or isinstance(exc, MoetraceError):
+            raise
+        raise CapacityError(
+            f"out of {device.type} memory loading the model and setting up the engine "
+            f"({_one_line(exc)[:160]}); lower --max-num-batched-tokens, --max-num-seqs, "
+            "--num-kv-blocks or --gpu-memory-utilization"
+        ) from None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -177,23 +177,23 @@ MSGS = [{"role": "user", "content": "hi"}]
         ("[" * 100_000, "not valid JSON (nested too deeply)"),
         (
             {"prompt": "p", "max_tokens": "ten"},
-            "field 'max_tokens': expected a positive integer, got \"ten\"",
+            "field 'max_tokens': expected a positive integer (at most 2147483647), got \"ten\"",
         ),
         (
             {"prompt": "p", "max_tokens": 0},
-            "field 'max_tokens': expected a positive integer, got 0",
+            "field 'max_tokens': expected a positive integer (at most 2147483647), got 0",
         ),
         (
             {"prompt": "p", "max_tokens": 2.0},
-            "field 'max_tokens': expected a positive integer, got 2.0",
+            "field 'max_tokens': expected a positive integer (at most 2147483647), got 2.0",
         ),
         (
             {"prompt": "p", "max_tokens": True},
-            "field 'max_tokens': expected a positive integer, got true",
+            "field 'max_tokens': expected a positive integer (at most 2147483647), got true",
         ),
         (
             {"prompt": "p", "max_completion_tokens": -1},
-            "field 'max_completion_tokens': expected a positive integer, got -1",
+            "field 'max_completion_tokens': expected a positive integer (at most 2147483647), got -1",
         ),
         (
             {"prompt": "p", "max_tokens": 1, "max_completion_tokens": 1},
@@ -201,33 +201,33 @@ MSGS = [{"role": "user", "content": "hi"}]
         ),
         (
             {"prompt": "p", "temperature": -0.5},
-            "field 'temperature': expected a number >= 0, got -0.5",
+            "field 'temperature': expected a finite number >= 0, got -0.5",
         ),
         (
             {"prompt": "p", "temperature": False},
-            "field 'temperature': expected a number >= 0, got false",
+            "field 'temperature': expected a finite number >= 0, got false",
         ),
         (
             {"prompt": "p", "temperature": "1"},
-            "field 'temperature': expected a number >= 0, got \"1\"",
+            "field 'temperature': expected a finite number >= 0, got \"1\"",
         ),
         (
             '{"prompt": "p", "temperature": NaN}',
-            "field 'temperature': expected a number >= 0, got NaN",
+            "field 'temperature': expected a finite number >= 0, got NaN",
         ),
         (
             '{"prompt": "p", "temperature": Infinity}',
-            "field 'temperature': expected a number >= 0, got Infinity",
+            "field 'temperature': expected a finite number >= 0, got Infinity",
         ),
         ({"prompt": "p", "top_p": 0}, "field 'top_p': expected a number in (0, 1], got 0"),
         ({"prompt": "p", "top_p": 1.5}, "field 'top_p': expected a number in (0, 1], got 1.5"),
         (
             {"prompt": "p", "top_k": -2},
-            "field 'top_k': expected a positive integer (0 or -1 to disable), got -2",
+            "field 'top_k': expected a positive integer (at most 2147483647; 0 or -1 to disable), got -2",
         ),
         (
             {"prompt": "p", "top_k": True},
-            "field 'top_k': expected a positive integer (0 or -1 to disable), got true",
+            "field 'top_k': expected a positive integer (at most 2147483647; 0 or -1 to disable), got true",
         ),
         ({"prompt": "p", "seed": "7"}, "field 'seed': expected a 64-bit integer, got \"7\""),
         ({"prompt": "p", "seed": 2**64}, f"field 'seed': expected a 64-bit integer, got {2**64}"),
@@ -350,7 +350,7 @@ MSGS = [{"role": "user", "content": "hi"}]
         ({**BATCH, "body": {"model": "m"}}, "no prompt: expected 'body.messages'"),
         (
             {**BATCH, "body": {"messages": MSGS, "max_tokens": 0}},
-            "field 'body.max_tokens': expected a positive integer, got 0",
+            "field 'body.max_tokens': expected a positive integer (at most 2147483647), got 0",
         ),
         (
             {**BATCH, "body": {"messages": [{"role": "user", "content": None}]}},
@@ -387,7 +387,7 @@ def test_error_in_file_has_exact_line(write):
         read_prompts(path)
     assert (
         str(info.value)
-        == "prompts.jsonl:3: field 'max_tokens': expected a positive integer, got \"ten\""
+        == "prompts.jsonl:3: field 'max_tokens': expected a positive integer (at most 2147483647), got \"ten\""
     )
 
 

@@ -151,10 +151,10 @@ def test_stop_string_search_is_vllms():
     ("params", "problem"),
     [
         (dict(min_tokens=20, max_tokens=10), "min_tokens (20) must be <= max_tokens (10)"),
-        (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
-        (dict(n=0), "n must be at least 1"),
-        (dict(logprobs=21), "logprobs must be in [0, 20]"),
+        (dict(presence_penalty=2.5), "presence_penalty: expected a number in [-2, 2], got 2.5"),
+        (dict(repetition_penalty=0.0), "repetition_penalty: expected a finite number > 0, got 0.0"),
+        (dict(n=0), "n: expected a positive integer (at most 2147483647), got 0"),
+        (dict(logprobs=21), "logprobs: expected an integer from 0 to 20, got 21"),
         (dict(stop=[""]), "stop strings must not be empty"),
     ],
 )

@@ -95,7 +95,7 @@ def record_command(
     from moetrace.prompt_shards import check_shard_args
     from moetrace.recording import Recording, SamplingDefaults
     from moetrace.run_setup import check_supported
-    from moetrace.signals import GracefulStop, Interrupted
+    from moetrace.signals import GracefulStop, Interrupted, set_exit_context, signal_name
     from moetrace.trace.writer import unclosed_traces
 
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
@@ -131,7 +131,7 @@ def record_command(
         top_k=top_k,
         ignore_eos=ignore_eos,
     )
-    _check_sampling(sampling)
+    _check_sampling(sampling, seed)
     console = Console(stderr=True)
     with GracefulStop() as stop, TensorParallelDriver(parallel, device) as driver:
         try:
@@ -166,16 +166,33 @@ def record_command(
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 os._exit(1)
             raise
+        set_exit_context(f"after {output} was written and closed (it is complete)")
     _summarise(result, console, startup=not quiet)
+    if stop.signum is not None:  # arrived after the last request was written: nothing was lost
+        print(
+            f"error: interrupted by {signal_name(stop.signum)} after {output} was written and "
+            "closed (it is complete)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise typer.Exit(128 + stop.signum)
 
 
-def _check_sampling(sampling: SamplingDefaults) -> None:
-    if sampling.max_tokens < 1:
-        raise MoetraceError(f"--max-tokens must be at least 1, got {sampling.max_tokens}")
-    if sampling.temperature < 0:
-        raise MoetraceError(f"--temperature must be >= 0, got {sampling.temperature}")
-    if not 0 < sampling.top_p <= 1:
-        raise MoetraceError(f"--top-p must be in (0, 1], got {sampling.top_p}")
+def _check_sampling(sampling: SamplingDefaults, seed: int) -> None:
+    """The rules a prompt line's own fields are checked against, for the options."""
+    from moetrace.engine.sampling import sampling_problem
+
+    values = {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "seed": seed,
+    }
+    for name, value in values.items():
+        problem = sampling_problem(name, value)
+        if problem is not None:
+            raise MoetraceError(f"--{name.replace('_', '-')}: {problem}, got {value}")
 
 
 def _run_with_progress(recording: Recording, console: Console, stop: GracefulStop) -> RecordResult:

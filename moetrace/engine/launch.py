@@ -40,6 +40,7 @@ from moetrace.distributed.state import (
     set_parallel_state,
 )
 from moetrace.errors import MoetraceError
+from moetrace.signals import on_signal_exit
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class TensorParallelDriver:
         self.finished = False
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._rendezvous: str | None = None
+        self._forget_cleanup = lambda: None
 
     def __enter__(self) -> TensorParallelDriver:
         if self.parallel.enabled and self.torchrun:
@@ -216,7 +218,16 @@ class TensorParallelDriver:
             proc.start()
             self._procs.append(proc)
         threading.Thread(target=self._watch_workers, name="moetrace-tp-watch", daemon=True).start()
+        self._forget_cleanup = on_signal_exit(self._kill_spawned)
         self.state = init_group(self.parallel, 0, 0, self.device_type, init_method)
+
+    def _kill_spawned(self) -> None:
+        """A signal before recording starts leaves with os._exit: take the workers along."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        if self._rendezvous is not None:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def _dead_worker(self) -> str | None:
         for rank, proc in enumerate(self._procs, 1):
@@ -268,6 +279,7 @@ class TensorParallelDriver:
                     proc.kill()  # workers ignore SIGTERM (see _spawned_worker)
                     proc.join(timeout=10)
         finally:
+            self._forget_cleanup()
             if get_parallel_state() is self.state:
                 leave_group()
             if self._rendezvous is not None:

@@ -18,7 +18,7 @@ import hashlib
 import struct
 from pathlib import Path
 
-from moetrace.models.loader import safetensors_files
+from moetrace.models.checkpoint_files import safetensors_files
 
 SAMPLES_PER_FILE = 64
 SAMPLE_BYTES = 4096

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from moetrace.errors import ModelError
 from moetrace.models.base import MoEForCausalLM
+from moetrace.models.checkpoint_files import open_safetensors, safetensors_files
+from moetrace.models.config_checks import parse_config_file
 from moetrace.models.demo import model_dir
 from moetrace.models.registry import build_model, resolve_architecture
 from moetrace.models.weights import WeightMap
@@ -57,12 +58,7 @@ def read_config(path: Path) -> dict:
         raise ModelError(f"{path}: not a directory (MODEL is a checkpoint directory or 'demo')")
     if not config_file.exists():
         raise ModelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(
-            f"{config_file}: not valid JSON ({exc.msg} at line {exc.lineno})"
-        ) from None
+    return parse_config_file(config_file)
 
 
 def config_digest(config: dict) -> str:
@@ -95,33 +91,27 @@ def instantiate(
     return model.eval()
 
 
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ModelError(f"{index}: names missing shard files: {', '.join(missing[:3])}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(
-            f"{path}: no *.safetensors files (use --load-format dummy for random weights)"
-        )
-    return files
+def load_safetensors(
+    model: MoEForCausalLM, path: Path, device: torch.device, *, headers_only: bool = False
+) -> None:
+    """Copy every tensor the model needs into it.
 
-
-def load_safetensors(model: MoEForCausalLM, path: Path, device: torch.device) -> None:
+    ``headers_only`` (for a model on the ``meta`` device) reads only the files'
+    headers and hands the model empty tensors of the stored shape and dtype, so
+    each family's own shape checks run before anything is allocated.
+    """
     expected = model.expected_weight_names()
     seen: set[str] = set()
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        with open_safetensors(file, "cpu" if headers_only else str(device)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name not in expected:
                     continue
                 try:
-                    model.load_weight(name, _read_tensor(f, name, model))
+                    if headers_only:
+                        _check_header(model, name, f.get_slice(name))
+                    else:
+                        model.load_weight(name, _read_tensor(f, name, model))
                 except ModelError as exc:
                     raise ModelError(f"{file}: {exc}") from None
                 seen.add(name)
@@ -129,6 +119,36 @@ def load_safetensors(model: MoEForCausalLM, path: Path, device: torch.device) ->
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelError(f"{path}: checkpoint lacks {', '.join(missing[:3])}{more}")
+
+
+_HEADER_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _check_header(model: MoEForCausalLM, name: str, piece) -> None:
+    """Load a ``meta`` tensor of the stored shape: a shape the model cannot take raises here."""
+    dtype = _HEADER_DTYPES.get(piece.get_dtype())
+    if dtype is None:
+        return  # a dtype torch has no name for here; the real load decides
+    tensor = torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+    try:
+        model.load_weight(name, tensor)
+    except ModelError:
+        raise
+    except Exception:  # a conversion that needs real values; the real load checks it
+        pass
 
 
 def _read_tensor(f, name: str, model: MoEForCausalLM) -> torch.Tensor:

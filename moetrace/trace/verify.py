@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -295,6 +297,18 @@ def _stuck(path: Path, why: str) -> VerifyReport:
 
 
 def _verify_child(path: str, send) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone answers it.  A parent that
+    # leaves with os._exit (a signal) runs no clean-up, so the child watches for that itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="moetrace-verify-parent", daemon=True).start()
     last = [0.0]
 
     def beat() -> None:
