@@ -28,6 +28,28 @@ def tiny_checkpoint(directory: Path, **overrides) -> Path:
     return directory
 
 
+def tiny_tensors() -> dict:
+    """Random weights of every tensor the tiny checkpoint's model needs."""
+    import torch
+
+    from moetrace.models.loader import instantiate
+
+    model = instantiate(tiny_qwen3_config(), "x", torch.float32, torch.device("cpu"))
+    return {
+        name: torch.randn(model.weights.destination(name).shape) * 0.3
+        for name in model.expected_weight_names()
+    }
+
+
+def safetensors_checkpoint(directory: Path, tensors: dict) -> Path:
+    """The tiny checkpoint with ``tensors`` as its ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    tiny_checkpoint(directory)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
 def write_jsonl(path: Path, lines: list) -> Path:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path

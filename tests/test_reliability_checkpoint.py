@@ -13,9 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from engine_helpers import tiny_qwen3_config
-from reliability_helpers import assert_one_line_error, run_cli, tiny_checkpoint, write_jsonl
+from reliability_helpers import (
+    assert_one_line_error,
+    run_cli,
+    safetensors_checkpoint,
+    tiny_checkpoint,
+    tiny_tensors,
+    write_jsonl,
+)
 
 PROMPTS = [{"prompt_token_ids": [1, 2, 3]}]
 
@@ -79,26 +84,12 @@ def test_config_json_that_is_not_a_config(tmp_path, name):
 # ------------------------------------------------------------------------- safetensors
 @pytest.fixture(scope="module")
 def tensors():
-    from moetrace.models.loader import instantiate
-
-    model = instantiate(tiny_qwen3_config(), "x", torch.float32, torch.device("cpu"))
-    return {
-        name: torch.randn(model.weights.destination(name).shape) * 0.3
-        for name in model.expected_weight_names()
-    }
-
-
-def _checkpoint(directory: Path, tensors: dict) -> Path:
-    from safetensors.torch import save_file
-
-    tiny_checkpoint(directory)
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return tiny_tensors()
 
 
 def test_a_misshaped_tensor_is_refused_before_the_model_is_allocated(tmp_path, tensors):
     """hidden_size 4096 in config.json, the tiny weights on disk: no 4096-wide model is built."""
-    ckpt = _checkpoint(tmp_path / "ck", tensors)
+    ckpt = safetensors_checkpoint(tmp_path / "ck", tensors)
     config = json.loads((ckpt / "config.json").read_text())
     config.update(hidden_size=4096, intermediate_size=1 << 16, moe_intermediate_size=1 << 16)
     (ckpt / "config.json").write_text(json.dumps(config))
@@ -130,7 +121,7 @@ def _lying_header(path: Path) -> None:
     ids=["truncated", "header length 10^12", "offsets past the end", "header not JSON"],
 )
 def test_damaged_safetensors_file_is_one_line(tmp_path, tensors, damage, needle):
-    ckpt = _checkpoint(tmp_path / "ck", tensors)
+    ckpt = safetensors_checkpoint(tmp_path / "ck", tensors)
     damage(ckpt / "model.safetensors")
     code, err = _record(tmp_path, ckpt)
     assert_one_line_error(code, err, needle)
@@ -141,7 +132,7 @@ def test_damaged_safetensors_file_is_one_line(tmp_path, tensors, damage, needle)
     ["../../../../etc/passwd", "/etc/passwd", "sub/../../outside.safetensors"],
 )
 def test_index_entries_must_stay_inside_the_model_directory(tmp_path, tensors, name):
-    ckpt = _checkpoint(tmp_path / "ck", tensors)
+    ckpt = safetensors_checkpoint(tmp_path / "ck", tensors)
     outside = tmp_path / "outside.safetensors"
     outside.write_bytes((ckpt / "model.safetensors").read_bytes())  # a valid file, elsewhere
     weight_map = {k: "model.safetensors" for k in tensors}
@@ -155,7 +146,7 @@ def test_index_entries_must_stay_inside_the_model_directory(tmp_path, tensors, n
     "text", ['["not", "an", "object"]', '{"weight_map": 3}', "{oops", '{"weight_map": {"a": 7}}']
 )
 def test_malformed_index_is_one_line(tmp_path, tensors, text):
-    ckpt = _checkpoint(tmp_path / "ck", tensors)
+    ckpt = safetensors_checkpoint(tmp_path / "ck", tensors)
     (ckpt / "model.safetensors.index.json").write_text(text)
     code, err = _record(tmp_path, ckpt)
     assert_one_line_error(code, err, "model.safetensors.index.json")
@@ -163,7 +154,7 @@ def test_malformed_index_is_one_line(tmp_path, tensors, text):
 
 def test_a_linked_weight_file_outside_the_directory_still_loads(tmp_path, tensors):
     """The Hugging Face cache links each file to a blob elsewhere: names, not targets, count."""
-    ckpt = _checkpoint(tmp_path / "ck", tensors)
+    ckpt = safetensors_checkpoint(tmp_path / "ck", tensors)
     blob = tmp_path / "blobs" / "abc123"
     blob.parent.mkdir()
     (ckpt / "model.safetensors").rename(blob)

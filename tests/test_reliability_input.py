@@ -13,13 +13,14 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from engine_helpers import tiny_qwen3_config
 from reliability_helpers import (
     VOCAB,
     assert_one_line_error,
     record_args,
     run_cli,
+    safetensors_checkpoint,
     tiny_checkpoint,
+    tiny_tensors,
     token_prompts,
     write_jsonl,
 )
@@ -212,27 +213,12 @@ def test_output_directory_not_writable(tmp_path, model):
 # --------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="module")
 def tensors():
-    from moetrace.models.loader import instantiate
-
-    config = tiny_qwen3_config()
-    model = instantiate(config, "x", torch.float32, torch.device("cpu"))
-    return {
-        name: torch.randn(model.weights.destination(name).shape) * 0.3
-        for name in model.expected_weight_names()
-    }
-
-
-def _checkpoint(directory: Path, tensors: dict) -> Path:
-    from safetensors.torch import save_file
-
-    tiny_checkpoint(directory)
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
+    return tiny_tensors()
 
 
 def test_checkpoint_missing_tensor(tmp_path, tensors):
     name = "model.layers.2.mlp.gate.weight"
-    ckpt = _checkpoint(tmp_path / "ck", {k: v for k, v in tensors.items() if k != name})
+    ckpt = safetensors_checkpoint(tmp_path / "ck", {k: v for k, v in tensors.items() if k != name})
     out = tmp_path / "t.h5"
     code, _, err = run_cli("record", str(ckpt), str(_prompts(tmp_path)), "-o", str(out), "-q")
     assert_one_line_error(code, err, "checkpoint lacks", name)
@@ -241,7 +227,7 @@ def test_checkpoint_missing_tensor(tmp_path, tensors):
 
 def test_checkpoint_misshaped_tensor(tmp_path, tensors):
     name = "model.layers.0.self_attn.q_proj.weight"
-    ckpt = _checkpoint(tmp_path / "ck", {**tensors, name: torch.zeros(3, 5)})
+    ckpt = safetensors_checkpoint(tmp_path / "ck", {**tensors, name: torch.zeros(3, 5)})
     out = tmp_path / "t.h5"
     code, _, err = run_cli("record", str(ckpt), str(_prompts(tmp_path)), "-o", str(out), "-q")
     assert_one_line_error(code, err, name, "shape [3, 5]")
