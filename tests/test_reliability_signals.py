@@ -250,3 +250,30 @@ def test_a_signal_after_the_trace_is_written_still_gives_one_line_and_143(tmp_pa
         assert "complete" in lines[0] and verify_trace(out).status == "ok"
         return
     pytest.fail("the process always left before the signal")
+
+
+FORKED_CHILD = """
+import os, signal, time
+from moetrace.signals import install_exit_handlers
+
+install_exit_handlers()
+if os.fork() == 0:  # a forked helper (as the CUDA compile workers are) keeps the handlers
+    time.sleep(30)
+    os._exit(0)
+time.sleep(0.3)
+os.killpg(0, signal.SIGINT)  # Ctrl-C reaches the whole process group
+time.sleep(30)
+"""
+
+
+def test_ctrl_c_to_a_group_with_forked_helpers_prints_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED_CHILD],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+        start_new_session=True,  # its own process group, so killpg spares pytest
+    )
+    assert proc.returncode == 130
+    assert proc.stderr.strip().splitlines() == ["error: interrupted by SIGINT"], proc.stderr
