@@ -30,6 +30,7 @@ from moetrace.kernels.triton_moe import (  # noqa: E402
     moe_forward,
     moe_grouped_mm,
 )
+from moetrace.layers.attention import paged_attention_torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
@@ -140,8 +141,10 @@ class PagedBatch:
         self.k_cache = self.k_cache.to(DEVICE)
         self.v_cache = self.v_cache.to(DEVICE)
 
-    def reference(self, scale: float, window: int | None) -> torch.Tensor:
-        """fp64 causal attention per sequence from the dense K/V."""
+    def reference(
+        self, scale: float, window: int | None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """fp64 causal attention per sequence from the dense K/V (``sinks``: a logit per head)."""
         outs = []
         start = 0
         for b, (q_len, s) in enumerate(zip(self.q_lens, self.seq_lens, strict=True)):
@@ -155,7 +158,12 @@ class PagedBatch:
             if window is not None:
                 visible &= pos - j < window
             scores = scores.masked_fill(~visible, float("-inf"))
-            outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:
+                sink = sinks.cpu().double()[:, None, None].expand(-1, q_len, 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            outs.append(torch.einsum("hqk,khd->qhd", probs, v))
             start += q_len
         return torch.cat(outs)
 
@@ -525,3 +533,81 @@ def test_cuda_graph_decode_attention_and_moe() -> None:
     assert torch.equal(attn_out, eager_attn)
     assert torch.equal(moe_out, eager_moe)
     assert rel_err(attn_out.cpu(), batch_b.reference(scale, None)) < TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------
+# Attention sinks (gpt-oss)
+# ---------------------------------------------------------------------------
+
+
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    """Sinks large enough to take a visible share of each softmax."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_heads, generator=gen) * 2).to(BF16).to(DEVICE)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("decode", [True, False])
+def test_sinks_match_the_reference_and_the_plain_path(window: int | None, decode: bool) -> None:
+    """The sink joins each row's softmax; rounding follows the plain path (eager attention)."""
+    q_lens, seq_lens = _step_lengths(decode)
+    gen = torch.Generator().manual_seed(13)
+    batch = PagedBatch(q_lens, seq_lens, 2, 4, 64, 16, BF16, gen)
+    store_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    sinks = _sinks(8, seed=3)
+    out = paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, sliding_window=window, sinks=sinks
+    )
+    err = rel_err(out.cpu(), batch.reference(0.125, window, sinks))
+    assert err < TOL[BF16], f"relative error {err:.2e}"
+    assert rel_err(out.cpu(), batch.reference(0.125, window)) > 10 * TOL[BF16]  # sinks count
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_sinks_round_like_eager_attention(decode: bool) -> None:
+    """Scores near 200 are 16-bit numbers 1/8 (fp16) or 1 (bf16) apart: rounding moves weights.
+
+    The plain path rounds scores and ``score - max`` as transformers' eager
+    attention does; the kernel must land on it, far closer than either is to
+    the exact softmax.
+    """
+    q_lens, seq_lens = _step_lengths(decode)
+    gen = torch.Generator().manual_seed(15)
+    batch = PagedBatch(q_lens, seq_lens, 2, 4, 64, 16, BF16, gen)
+    # One shared direction adds 64 * 25 to every q.k: scores 200 +- 1 after the scale.
+    batch.q[..., 0] = 64.0
+    for t in (batch.new_k, batch.k_cache, *batch.keys):
+        t[..., 0] = 25.0
+    store_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    sinks = _sinks(8, seed=5) + 200.0
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, sinks=sinks)
+    plain = paged_attention_torch(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, sinks=sinks
+    )
+    exact = batch.reference(0.125, None, sinks)
+    assert rel_err(plain.cpu(), exact) > 3 * TOL[BF16]
+    assert rel_err(out, plain) < TOL[BF16] / 2, rel_err(out, plain)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_sinks_through_split_k(window: int | None) -> None:
+    """Each split subtracts the row's own max; the sink is counted once, whatever the splits."""
+    gen = torch.Generator().manual_seed(14)
+    seq_lens = DECODE_CTX[:10]
+    batch = PagedBatch([1] * len(seq_lens), seq_lens, 2, 4, 64, 16, BF16, gen)
+    store_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    sinks = _sinks(8, seed=4)
+    ref = batch.reference(0.125, window, sinks)
+    outs = []
+    for splits in (1, 2, 3, 8):
+        out = torch.full_like(batch.q, float("nan"))
+        triton_attention._launch_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, window, out,
+            16, 32, 4, 2, splits, sinks=sinks,
+        )  # fmt: skip
+        err = rel_err(out.cpu(), ref)
+        assert err < TOL[BF16], f"{splits} splits: relative error {err:.2e}"
+        outs.append(out)
+    # Every split subtracts the same max: the partial sums differ only in order.
+    for out in outs[1:]:
+        assert rel_err(out, outs[0]) < TOL[BF16] / 4

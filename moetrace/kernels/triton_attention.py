@@ -39,8 +39,10 @@ import triton.language as tl
 
 from moetrace.forward_context import AttentionMetadata
 from moetrace.kernels.kv_store import store_kv_torch  # the plain path, and the baseline benchmarked
+from moetrace.kernels.triton_rounding import round_to
 
 _LOG2E = 1.4426950408889634
+_LOG2E_K = tl.constexpr(_LOG2E)  # the same, for use inside kernels
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -166,7 +168,7 @@ def _attend(
     bt_row,
     kv_head,
     window,
-    scale_log2,
+    score_scale,
     d,
     d_ok,
     stride_kb,
@@ -180,8 +182,15 @@ def _attend(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EAGER_ROUNDING: tl.constexpr = False,
 ):
-    """Online-softmax over keys [lo, hi).  MASKED=False: every key is visible to every row."""
+    """Online-softmax over keys [lo, hi).  MASKED=False: every key is visible to every row.
+
+    ``score_scale`` is the softmax scale times log2(e).  ``EAGER_ROUNDING``
+    (attention with sinks): ``score_scale`` is the plain softmax scale, ``m_i``
+    already each row's final max (``_row_max``), scores and ``score - max`` are
+    rounded to q's dtype as eager attention rounds them, and nothing rescales.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
@@ -195,26 +204,37 @@ def _attend(
         in_blk = j % BLOCK_SIZE
         k_off = blk * stride_kb + in_blk * stride_ks + kv_head * stride_kh
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if EAGER_ROUNDING:
+            s = _eager_scores(q, k, score_scale, DOT_PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
         if MASKED:
             visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
             if USE_WINDOW:
                 visible = visible & (pos[:, None] - j[None, :] < window)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no visible key yet keeps m = -inf; subtract 0
-            # instead so that exp2 gives 0, not NaN.
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if EAGER_ROUNDING:
+            p = tl.exp2(round_to(s - m_i[:, None], q.dtype) * _LOG2E_K)
+            l_i = l_i + tl.sum(p, 1)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = m_new
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+            if MASKED:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row that has seen no visible key yet keeps m = -inf; subtract 0
+                # instead so that exp2 gives 0, not NaN.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_ref = m_new
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
         v_off = blk * stride_vb + in_blk * stride_vs + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        if EAGER_ROUNDING:
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
     return acc, m_i, l_i
 
 
@@ -236,6 +256,59 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _eager_scores(q, k, scale, DOT_PRECISION: tl.constexpr):
+    """``q @ k.T * scale`` rounded twice to q's dtype, as eager attention's matmul and product."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return round_to(round_to(qk, q.dtype) * scale, q.dtype)
+
+
+@triton.jit
+def _row_max(
+    q,
+    sink,
+    lo,
+    hi,
+    pos,
+    k_cache_ptr,
+    bt_row,
+    kv_head,
+    window,
+    scale,
+    d,
+    d_ok,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Each row's largest eager score over its visible keys in [lo, hi), and its sink.
+
+    With sinks the reference subtracts this max and rounds before ``exp``; the
+    rounding depends on the max, so it must be known before any key is summed
+    (a second pass over K, most of it from L2 in decode).
+    """
+    m = sink
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        k_off = blk * stride_kb + (j % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        k = tl.load(
+            k_cache_ptr + k_off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        s = _eager_scores(q, k, scale, DOT_PRECISION)
+        visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (pos[:, None] - j[None, :] < window)
+        m = tl.maximum(m, tl.max(tl.where(visible, s, float("-inf")), 1))
+    return m
+
+
 @triton.jit(do_not_specialize=["num_seqs", "decode_max_q"])
 def _paged_attention_kernel(
     q_ptr,
@@ -250,7 +323,8 @@ def _paged_attention_kernel(
     bt_stride_ptr,
     num_seqs,
     decode_max_q,
-    scale_log2,
+    sinks_ptr,
+    score_scale,
     window,
     num_heads,
     stride_qt,
@@ -274,6 +348,7 @@ def _paged_attention_kernel(
     DECODE_CLASS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One (query tile, KV head[, key split]) of one class of sequences.
 
@@ -327,6 +402,8 @@ def _paged_attention_kernel(
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(first_pos - window + 1, 0)
+    row_lo = kv_lo
+    row_hi = kv_hi
     if NUM_SPLITS > 1:
         # Flash-decoding: this program takes one contiguous share of the keys.
         chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -337,6 +414,34 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if HAS_SINKS:
+        # A learned logit per head joins each row's softmax and takes no value
+        # (gpt-oss).  Every split finds the whole row's max, sink included, so
+        # all subtract the same one; the first split counts the sink's share.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = _row_max(
+            q,
+            sink,
+            row_lo,
+            row_hi,
+            pos,
+            k_cache_ptr,
+            bt_row,
+            kv_head,
+            window,
+            score_scale,
+            d,
+            d_ok,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            BLOCK_N,
+            BLOCK_SIZE,
+            USE_WINDOW,
+            DOT_PRECISION,
+        )
+        if split == 0:
+            l_i = tl.exp2(round_to(sink - m_i, q.dtype) * _LOG2E_K)
     # Keys up to the tile's first query position are visible to all its rows
     # (without a window): whole BLOCK_N tiles of them skip the masking.
     full_hi = kv_lo
@@ -356,7 +461,7 @@ def _paged_attention_kernel(
         bt_row,
         kv_head,
         window,
-        scale_log2,
+        score_scale,
         d,
         d_ok,
         stride_kb,
@@ -370,6 +475,7 @@ def _paged_attention_kernel(
         False,
         USE_WINDOW,
         DOT_PRECISION,
+        HAS_SINKS,
     )
     acc, m_i, l_i = _attend(
         q,
@@ -384,7 +490,7 @@ def _paged_attention_kernel(
         bt_row,
         kv_head,
         window,
-        scale_log2,
+        score_scale,
         d,
         d_ok,
         stride_kb,
@@ -398,6 +504,7 @@ def _paged_attention_kernel(
         True,
         USE_WINDOW,
         DOT_PRECISION,
+        HAS_SINKS,
     )
 
     if NUM_SPLITS > 1:
@@ -521,6 +628,7 @@ def _launch_class(
     decode: bool,
     decode_max_q: int,
     num_splits: int = 1,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch one class of sequences (decode or prefill) with an explicit tile config."""
     num_tokens, num_heads, head_dim = q.shape
@@ -556,7 +664,8 @@ def _launch_class(
         _block_table_stride(meta),
         num_seqs,
         decode_max_q,
-        scale * _LOG2E,
+        out if sinks is None else sinks,  # unused without sinks
+        scale if sinks is not None else scale * _LOG2E,
         int(sliding_window) if use_window else 0,
         num_heads,
         q.stride(0),
@@ -581,6 +690,7 @@ def _launch_class(
         USE_WINDOW=use_window,
         # fp32 caches get exact fp32 dots (Triton's default for fp32 is tf32).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -614,6 +724,7 @@ def _launch_attention(
     num_warps: int,
     num_stages: int,
     num_splits: int = 1,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Both classes with one explicit tile config (benchmarks sweep these; tests pin them)."""
     cfg = TileConfig(block_m, block_n, num_warps, num_stages)
@@ -622,7 +733,7 @@ def _launch_attention(
     for decode in (True, False):
         _launch_class(
             q, k_cache, v_cache, meta, scale, sliding_window, out, cfg,
-            decode=decode, decode_max_q=decode_max_q, num_splits=num_splits,
+            decode=decode, decode_max_q=decode_max_q, num_splits=num_splits, sinks=sinks,
         )  # fmt: skip
 
 
@@ -634,6 +745,7 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, Hq, D]`` over the paged cache.
@@ -641,6 +753,12 @@ def paged_attention(
     The step's own K/V must already be in the cache (``store_kv`` first).  GQA:
     ``Hq`` must be a multiple of the cache's ``Hkv``.  Softmax runs in fp32
     with online rescaling; the output has ``q``'s dtype (or ``out``'s).
+
+    ``sinks [Hq]`` (gpt-oss): one more logit per head in every row's softmax,
+    with no value.  Then the kernel rounds as transformers' eager attention,
+    the only attention that family has there: scores rounded to q's dtype, the
+    row max (sink included) subtracted and rounded before ``exp`` — which takes
+    a first pass over the keys for each row's max.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -657,6 +775,8 @@ def paged_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or meta.max_query_len == 0:
         return out
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)}, want ({num_heads},)")
     decode_cfg, prefill_cfg = _tile_configs(num_heads // num_kv_heads)
     splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, q.device)
     decode_max_q = 1 if splits > 1 else decode_cfg.block_m // (num_heads // num_kv_heads)
@@ -665,11 +785,11 @@ def paged_attention(
     if meta.min_query_len <= decode_max_q:
         _launch_class(
             q, k_cache, v_cache, meta, scale, sliding_window, out, decode_cfg,
-            decode=True, decode_max_q=decode_max_q, num_splits=splits,
+            decode=True, decode_max_q=decode_max_q, num_splits=splits, sinks=sinks,
         )  # fmt: skip
     if meta.max_query_len > decode_max_q:
         _launch_class(
             q, k_cache, v_cache, meta, scale, sliding_window, out, prefill_cfg,
-            decode=False, decode_max_q=decode_max_q,
+            decode=False, decode_max_q=decode_max_q, sinks=sinks,
         )  # fmt: skip
     return out

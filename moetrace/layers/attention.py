@@ -88,12 +88,8 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.sinks: torch.Tensor | None = None
+        self.sinks: torch.Tensor | None = None  # [num_heads] logits (gpt-oss), set by the family
         self.use_triton = False  # set by the model runner when the kernels serve this layer
-
-    @property
-    def kernel_capable(self) -> bool:
-        return self.sinks is None
 
     def kv_cache_shape(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim
@@ -106,7 +102,13 @@ class PagedAttention(nn.Module):
 
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             return paged_attention(
-                q, self.k_cache, self.v_cache, meta, self.scale, sliding_window=self.sliding_window
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta,
+                self.scale,
+                sliding_window=self.sliding_window,
+                sinks=self.sinks,
             )
         store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return paged_attention_torch(

@@ -1,0 +1,49 @@
+"""Rounding to a 16-bit dtype inside Triton kernels, where the reference rounds between ops.
+
+A kernel computes in float32; the reference it must agree with (transformers'
+eager modules) rounds every intermediate tensor to the model dtype.  Where
+those roundings decide results (gpt-oss's attention scores, its SwiGLU),
+kernels round the float32 value here and keep computing in float32.
+
+The rounding works on the bits: compiled for the H200, a cast down and back up
+(``v.to(bf16).to(fp32)``) was folded away, so nothing was rounded; integer
+operations are never folded.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to_bf16(v):
+    """float32 to the nearest bfloat16 (ties to even), kept in float32."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_fp16(v):
+    """float32 to the nearest float16 (ties to even), kept in float32.
+
+    On the bits in float16's normal range; past 65504 it is infinite, and below
+    2**-14 (subnormal in float16) the plain casts serve.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0xFFF + ((bits >> 13) & 1)) >> 13) << 13
+    r = bits.to(tl.float32, bitcast=True)
+    r = tl.where(tl.abs(r) > 65504.0, v * float("inf"), r)
+    return tl.where(tl.abs(v) < 6.103515625e-05, v.to(tl.float16).to(tl.float32), r)
+
+
+@triton.jit
+def round_to(v, dtype: tl.constexpr):
+    """``v`` rounded as a tensor of ``dtype`` would hold it (float32 and wider: unchanged)."""
+    if dtype == tl.bfloat16:
+        return round_to_bf16(v)
+    elif dtype == tl.float16:
+        return round_to_fp16(v)
+    else:
+        return v
