@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import make_tiny_checkpoint, reference_routing
-from parity import assert_parity, assert_shape_parity, prompts
+from parity import assert_parity, assert_shape_parity, prompts, record
 from safetensors.torch import load_file, save_file
 
 from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
+from moetrace.layers.mxfp4 import dequantize_mxfp4
 from moetrace.models.loader import load_model
-from moetrace.models.mxfp4 import dequantize_mxfp4
 
 SHAPES = {
     # hf_reference's defaults: sliding (window 8) / full / sliding, YaRN, top-2 of 8.
@@ -81,11 +81,14 @@ def _decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape(*blocks.shape[:-2], -1)
 
 
-def test_mxfp4_checkpoint_loads_like_its_dense_twin(tmp_path):
-    """Random MXFP4 experts; the dense twin holds the same values in transformers' layout."""
-    dense_dir = make_tiny_checkpoint(
-        "gpt_oss", tmp_path / "dense", seed=3, hidden_size=64, intermediate_size=32
-    )
+def mxfp4_twins(tmp_path, **shape) -> tuple:
+    """(dense checkpoint, MXFP4 checkpoint) holding the same random expert values.
+
+    The dense one is in transformers' layout; the MXFP4 one as published
+    checkpoints store experts (blocks and scales, gate/up rows interleaved).
+    """
+    shape = {"hidden_size": 64, "intermediate_size": 32, **shape}
+    dense_dir = make_tiny_checkpoint("gpt_oss", tmp_path / "dense", seed=3, **shape)
     tensors = load_file(dense_dir / "model.safetensors")
     quant = {k: v for k, v in tensors.items() if not k.endswith(("gate_up_proj", "down_proj"))}
     rng = np.random.default_rng(0)
@@ -106,13 +109,34 @@ def test_mxfp4_checkpoint_loads_like_its_dense_twin(tmp_path):
     save_file(quant, quant_dir / "model.safetensors")
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (quant_dir / "config.json").write_text(json.dumps(config))
+    return dense_dir, quant_dir
 
+
+def test_mxfp4_checkpoint_stays_mxfp4_and_computes_like_its_dense_twin(tmp_path):
+    """Experts keep the checkpoint's bytes; decoded, they are the dense twin's values exactly."""
+    dense_dir, quant_dir = mxfp4_twins(tmp_path)
     cpu = torch.device("cpu")
     dense_model = load_model(str(dense_dir), device=cpu, dtype="float32").model
     quant_model = load_model(str(quant_dir), device=cpu, dtype="float32").model
     quant_params = dict(quant_model.named_parameters())
     for name, param in dense_model.named_parameters():
-        assert torch.equal(param, quant_params[name]), name
+        if name.endswith(("experts.w13", "experts.w2")):
+            assert quant_params[name].dtype == torch.uint8, name
+        else:
+            assert torch.equal(param, quant_params[name]), name
+    for dense_layer, quant_layer in zip(dense_model.layers, quant_model.layers, strict=True):
+        dense, quant = dense_layer.mlp.experts, quant_layer.mlp.experts
+        for e in range(dense.num_experts):
+            w13, w2 = quant._dense_weights(e, torch.float32)
+            inter = dense.intermediate
+            assert torch.equal(w13[0::2], dense.w13[e, :inter])  # gate rows
+            assert torch.equal(w13[1::2], dense.w13[e, inter:])  # up rows
+            assert torch.equal(w2, dense.w2[e])
+    got = record(quant_dir, prompts(3), 4)["done"]
+    want = record(dense_dir, prompts(3), 4)["done"]
+    for rid, done in want.items():
+        assert done.output_token_ids.tolist() == got[rid].output_token_ids.tolist(), rid
+        np.testing.assert_array_equal(done.routed_experts, got[rid].routed_experts, err_msg=rid)
 
 
 # ------------------------------------------------------------------- bf16

@@ -31,6 +31,7 @@ from moetrace.kernels.triton_moe import (  # noqa: E402
     moe_grouped_mm,
 )
 from moetrace.layers.attention import paged_attention_torch  # noqa: E402
+from moetrace.layers.moe import MoEExperts  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
@@ -611,3 +612,89 @@ def test_sinks_through_split_k(window: int | None) -> None:
     # Every split subtracts the same max: the partial sums differ only in order.
     for out in outs[1:]:
         assert rel_err(out, outs[0]) < TOL[BF16] / 4
+
+
+# ---------------------------------------------------------------------------
+# gpt-oss experts: biases, clamped SwiGLU, MXFP4
+# ---------------------------------------------------------------------------
+
+
+def gpt_oss_experts(weight_format: str, hidden: int, inter: int, seed: int) -> MoEExperts:
+    """Random gpt-oss experts in BF16 on DEVICE: biases, a tight clamp, dense or MXFP4."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = MoEExperts(
+        8,
+        hidden,
+        inter,
+        "clamped_swiglu",
+        bias=True,
+        activation_args={"alpha": 1.702, "limit": 1.5},  # clamps bite: |pre-activations| ~ 1
+        weight_format=weight_format,
+    )
+    with torch.no_grad():
+        for name, param in experts.named_parameters():
+            if param.dtype == torch.uint8:
+                if name.endswith("_scale"):  # e2m1 RMS 2.9 times 2**-(127 - s)
+                    fan_in = hidden if name.startswith("w13") else inter
+                    exponent = 127 - round(math.log2(2.9 * fan_in**0.5))
+                    param.copy_(
+                        torch.randint(exponent - 1, exponent + 2, param.shape, generator=gen)
+                    )
+                else:
+                    param.copy_(torch.randint(0, 256, param.shape, generator=gen))
+            elif name.startswith("b"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    return experts.to(BF16).to(DEVICE)
+
+
+@pytest.mark.parametrize("weight_format", ["dense", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 33] if INTERPRET else [1, 7, 256, 2048])
+def test_gpt_oss_experts_kernel_matches_the_plain_path(weight_format: str, num_tokens: int) -> None:
+    """Biases, the clamped SwiGLU (rounded as the reference rounds) and MXFP4 decoding."""
+    hidden, inter = (96, 64) if INTERPRET else (2880, 2880)  # 96: a K tail of 32 values
+    experts = gpt_oss_experts(weight_format, hidden, inter, seed=num_tokens)
+    gen = torch.Generator().manual_seed(num_tokens + 1)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(BF16).to(DEVICE)
+    weights, ids = skewed_routing(num_tokens, 8, 4, gen)
+    weights = weights.to(BF16)
+    plain = experts.forward_torch(x, weights, ids)
+    experts.use_triton = True
+    poison_allocator()
+    fused = experts(x, weights, ids)
+    assert fused.dtype == x.dtype
+    # The same roundings, other summation orders: a few units in the last place.
+    err = rel_err(fused, plain.float())
+    assert err < TOL[BF16] / 2, f"relative error {err:.2e}"
+    # The plain path's own check: the clamps bit and the biases count.
+    gate_up = torch.cat([experts._dense_weights(e, torch.float32)[0].float() for e in range(8)])
+    assert (x.float() @ gate_up.T).abs().max() > 1.5
+
+
+@cuda_only
+@pytest.mark.parametrize("num_tokens", [1, 256, 2048])
+def test_mxfp4_dot_scaled_equals_the_bit_decoder(num_tokens: int) -> None:
+    """On the GPU MXFP4 goes through ``tl.dot_scaled``; the kernel's own decoder must agree."""
+    from moetrace.kernels.triton_moe import fused_moe_with_config, moe_config
+
+    experts = gpt_oss_experts("mxfp4", 2880, 2880, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(num_tokens, 2880, generator=gen).to(BF16).to(DEVICE)
+    weights, ids = skewed_routing(num_tokens, 8, 4, gen)
+    cfg = moe_config(num_tokens, 4, 8)
+    outs = [
+        fused_moe_with_config(
+            x,
+            experts.w13,
+            experts.w2,
+            weights.to(BF16),
+            ids,
+            cfg,
+            "clamped_swiglu",
+            extras=experts._kernel_extras(),
+            mxfp4_native=native,
+        )  # fmt: skip
+        for native in (True, False)
+    ]
+    assert rel_err(outs[0], outs[1].float()) < TOL[BF16] / 10

@@ -48,6 +48,27 @@ def test_rms_norm_matches_the_module(dtype, tokens, heads, dim):
     assert (got != ref).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_gpt_oss_rms_norm_kernel_matches_its_module(dtype):
+    """gpt-oss multiplies its weight into the float32 row and rounds once: so does the kernel."""
+    from moetrace.models.gpt_oss import GptOssRMSNorm
+
+    gen = torch.Generator().manual_seed(8)
+    norm = GptOssRMSNorm(2880, 1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(2880, generator=gen) * 0.5 + 1)
+    x = (torch.randn(37, 2880, generator=gen) * 3).to(DEVICE, dtype)
+    ref = norm(x)
+    norm.use_triton = True
+    got = norm(x)
+    assert _ulps_apart(got, ref) <= 1
+    assert (got != ref).float().mean() < 0.01
+    # The other rounding order differs on many elements: the test can tell them apart.
+    from moetrace.kernels.triton_norm import rms_norm
+
+    assert (rms_norm(x, norm.weight, norm.eps) != ref).float().mean() > 0.05
+
+
 def test_rms_norm_reads_strided_views_of_a_fused_projection():
     """q and k of a fused QKV output are views with row stride > heads x dim."""
     from moetrace.kernels.triton_norm import rms_norm

@@ -23,13 +23,16 @@ Triton won everywhere on the H200).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+from moetrace.kernels.triton_rounding import round_to
+
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -236,11 +239,62 @@ def _tile_ids(pid, num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _mxfp4_values(blocks, scales, DTYPE: tl.constexpr):
+    """MXFP4 ``blocks [BK/2, BN]`` (uint8, two e2m1 codes a byte, low nibble first along K)
+    and e8m0 ``scales [BN, BK/32]`` to ``[BK, BN]`` values in ``DTYPE``, exactly.
+
+    An e2m1 code placed in float16's sign, exponent and top mantissa bits reads
+    as its value times 2**-14 (code 1, 0.5, lands on a subnormal, which the
+    widening to float32 keeps), so the block scale ``2**(s - 127)`` becomes a
+    multiply by ``2**(s - 113)``, built from its bits.  Scales above 240
+    (values past 2**113) are not supported; checkpoints stay far below.
+    """
+    b = blocks.to(tl.int32)
+    pairs = tl.join(b & 0xF, b >> 4)  # [BK/2, BN, 2]: low nibble is the earlier k
+    codes = tl.reshape(tl.permute(pairs, (0, 2, 1)), (2 * blocks.shape[0], blocks.shape[1]))
+    half = ((codes & 7) << 9) | ((codes & 8) << 12)
+    v = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    factor = ((scales.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # [BN, BK/32]
+    groups = tl.reshape(v, (blocks.shape[0] // 16, 32, blocks.shape[1]))
+    v = groups * tl.trans(factor)[:, None, :]
+    return tl.reshape(v, (2 * blocks.shape[0], blocks.shape[1])).to(DTYPE)
+
+
+@triton.jit
+def _weight_dot(
+    acc,
+    a,
+    w_ptrs,
+    w_mask,
+    s_ptrs,
+    s_mask,
+    MXFP4: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    A_FORMAT: tl.constexpr,
+):
+    """``acc + a @ w`` for one K step; MXFP4 weights are decoded in registers.
+
+    ``MX_NATIVE``: Triton's ``dot_scaled`` (its compiler's e2m1 conversion, or
+    the hardware's); else ``_mxfp4_values`` (the interpreter has no
+    ``dot_scaled``).
+    """
+    if MXFP4:
+        blocks = tl.load(w_ptrs, mask=w_mask, other=0)
+        scales = tl.load(s_ptrs, mask=s_mask, other=127)
+        if MX_NATIVE:
+            return tl.dot_scaled(a, None, A_FORMAT, blocks, scales, "e2m1", acc)
+        return tl.dot(a, _mxfp4_values(blocks, scales, a.dtype), acc)
+    return tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
     h_ptr,
+    b_ptr,
+    s_ptr,
     sorted_pair_ids_ptr,
     block_expert_ids_ptr,
     num_rows_padded_ptr,
@@ -252,15 +306,30 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_ht,
+    stride_be,
+    stride_se,
+    stride_sn,
+    swiglu_alpha,
+    swiglu_limit,
     TOP_K: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    MXFP4: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    A_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """h[row] = act(x[tok] @ w_gate[e].T) * (x[tok] @ w_up[e].T) for one row block, N tile."""
+    """h[row] = act(x[tok] @ w_gate[e].T) * (x[tok] @ w_up[e].T) for one row block, N tile.
+
+    Gate row ``n`` of ``w`` is ``n`` and up row ``inter + n``, or with
+    ``INTERLEAVED`` (gpt-oss checkpoints) ``2n`` and ``2n + 1``.  MXFP4 weights
+    are bytes (two values each) with a scale per 32 values along K.
+    """
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_rows_padded_ptr):
         return
@@ -272,40 +341,69 @@ def _gate_up_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
+    if INTERLEAVED:
+        gate_rows = 2 * offs_n.to(tl.int64)
+        up_shift = 1
+    else:
+        gate_rows = offs_n.to(tl.int64)
+        up_shift = inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    # Weight tile read as [BLOCK_K, BLOCK_N] from rows of length `hidden`.
-    wg_ptrs = (
-        w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    )
-    wu_ptrs = wg_ptrs + inter * stride_wn
+    # Weight tile read as [BLOCK_K, BLOCK_N] (MXFP4: [BLOCK_K / 2, BLOCK_N] bytes).
+    W_STEP: tl.constexpr = BLOCK_K // (1 + MXFP4)  # MXFP4: two values a byte
+    offs_w = tl.arange(0, W_STEP)
+    wg_ptrs = w_ptr + expert * stride_we + gate_rows[None, :] * stride_wn + offs_w[:, None]
+    wu_ptrs = wg_ptrs + up_shift * stride_wn
+    offs_s = tl.arange(0, BLOCK_K // 32)
+    sg_ptrs = s_ptr + expert * stride_se + gate_rows[:, None] * stride_sn + offs_s[None, :]
+    su_ptrs = sg_ptrs + up_shift * stride_sn
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(hidden, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            bg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
-            bu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
+            w_mask = n_ok[None, :]
+            s_mask = n_ok[:, None]
         else:
-            k_ok = offs_k < hidden - k0 * BLOCK_K
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(wg_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            bu = tl.load(wu_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g)
-        acc_u = tl.dot(a, bu, acc_u)
+            left = hidden - k0 * BLOCK_K
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < left), other=0.0)
+            w_left = left // (1 + MXFP4)
+            w_mask = n_ok[None, :] & (offs_w[:, None] < w_left)
+            s_mask = n_ok[:, None] & (offs_s[None, :] < left // 32)
+        acc_g = _weight_dot(acc_g, a, wg_ptrs, w_mask, sg_ptrs, s_mask, MXFP4, MX_NATIVE, A_FORMAT)
+        acc_u = _weight_dot(acc_u, a, wu_ptrs, w_mask, su_ptrs, s_mask, MXFP4, MX_NATIVE, A_FORMAT)
         x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
+        wg_ptrs += W_STEP
+        wu_ptrs += W_STEP
+        sg_ptrs += BLOCK_K // 32
+        su_ptrs += BLOCK_K // 32
 
+    out_dtype: tl.constexpr = h_ptr.dtype.element_ty
+    if HAS_BIAS:
+        # As the reference: each product rounded to the model dtype, then the bias added.
+        b_ptrs = b_ptr + expert * stride_be + offs_n
+        bias_g = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+        bias_u = tl.load(b_ptrs + inter, mask=n_ok, other=0.0).to(tl.float32)
+        acc_g = round_to(round_to(acc_g, out_dtype) + bias_g[None, :], out_dtype)
+        acc_u = round_to(round_to(acc_u, out_dtype) + bias_u[None, :], out_dtype)
+    elif ACTIVATION == "clamped_swiglu":
+        acc_g = round_to(acc_g, out_dtype)
+        acc_u = round_to(acc_u, out_dtype)
     if ACTIVATION == "silu":
-        gate = acc_g / (1.0 + tl.exp(-acc_g))
-    else:  # gelu_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh via exp
+        out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh via exp
         inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-        gate = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * inner)))
-    out = gate * acc_u
+        out = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * inner))) * acc_u
+    else:  # clamped_swiglu (gpt-oss), each op rounded as the reference's 16-bit tensors are
+        g = tl.minimum(acc_g, swiglu_limit)
+        u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
+        sig = round_to(tl.sigmoid(round_to(g * swiglu_alpha, out_dtype)), out_dtype)
+        glu = round_to(g * sig, out_dtype)
+        out = round_to(u + 1.0, out_dtype) * glu
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + offs_n[None, :]
-    tl.store(h_ptrs, out.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(h_ptrs, out.to(out_dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
@@ -313,6 +411,8 @@ def _down_kernel(
     h_ptr,
     w_ptr,
     y_ptr,
+    b_ptr,
+    s_ptr,
     topk_weights_ptr,
     sorted_pair_ids_ptr,
     block_expert_ids_ptr,
@@ -325,6 +425,13 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_yt,
+    stride_be,
+    stride_se,
+    stride_sn,
+    HAS_BIAS: tl.constexpr,
+    MXFP4: tl.constexpr,
+    MX_NATIVE: tl.constexpr,
+    A_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -343,26 +450,39 @@ def _down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
+    W_STEP: tl.constexpr = BLOCK_K // (1 + MXFP4)  # MXFP4: two values a byte
+    offs_w = tl.arange(0, W_STEP)
+    offs_s = tl.arange(0, BLOCK_K // 32)
     a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_w[:, None]
+    s_ptrs = s_ptr + expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            w_mask = n_ok[None, :]
+            s_mask = n_ok[:, None]
         else:
-            k_ok = offs_k < inter - k0 * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+            left = inter - k0 * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < left), other=0.0)
+            w_left = left // (1 + MXFP4)
+            w_mask = n_ok[None, :] & (offs_w[:, None] < w_left)
+            s_mask = n_ok[:, None] & (offs_s[None, :] < left // 32)
+        acc = _weight_dot(acc, a, w_ptrs, w_mask, s_ptrs, s_mask, MXFP4, MX_NATIVE, A_FORMAT)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += W_STEP
+        s_ptrs += BLOCK_K // 32
 
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
+    out_dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        # As the reference: product rounded, bias added and rounded, then weighted.
+        bias = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc = round_to(round_to(acc, out_dtype) + bias[None, :], out_dtype)
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, acc.to(out_dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
 class MoEConfig(NamedTuple):
@@ -392,6 +512,28 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
     return MoEConfig(128, 128, 64, 16, 8, 3)
 
 
+class ExpertExtras(NamedTuple):
+    """What gpt-oss's experts add to plain ``w13``/``w2``: biases, MXFP4, a clamped SwiGLU.
+
+    With ``w13_scale``/``w2_scale`` the weights are MXFP4 as checkpoints store
+    them: ``w13 [E, 2I, H/2]`` and ``w2 [E, H, I/2]`` uint8 (two e2m1 values a
+    byte, low nibble first) with e8m0 scales ``[E, 2I, H/32]`` and
+    ``[E, H, I/32]``, decoded inside the GEMMs' K loops.  ``interleaved``: the
+    rows of ``w13`` alternate gate and up (gpt-oss's layout).  Biases ``b13
+    [E, 2I]`` (gate then up) and ``b2 [E, H]`` are added as the reference adds
+    them: after the product is rounded to the model dtype, before the routing
+    weight.  ``swiglu_*`` parametrise the ``clamped_swiglu`` activation.
+    """
+
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    interleaved: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -401,6 +543,7 @@ def fused_moe(
     *,
     activation: str = "silu",
     capture: torch.Tensor | None = None,
+    extras: ExpertExtras | None = None,
 ) -> torch.Tensor:
     """Routed experts' output ``[T, H]`` through two Triton grouped GEMMs (see module doc).
 
@@ -409,8 +552,17 @@ def fused_moe(
     num_tokens, top_k = topk_ids.shape
     cfg = moe_config(num_tokens, top_k, w13.shape[0])
     return fused_moe_with_config(
-        hidden, w13, w2, topk_weights, topk_ids, cfg, activation, capture=capture
+        hidden, w13, w2, topk_weights, topk_ids, cfg, activation, capture=capture, extras=extras
     )
+
+
+# Devices where ``tl.dot_scaled`` failed to compile: MXFP4 falls back to the bit decoder there.
+_DOT_SCALED_FAILED: set[torch.device] = set()
+
+
+def _mxfp4_native(device: torch.device) -> bool:
+    """Whether ``tl.dot_scaled`` decodes MXFP4 here (not in the interpreter, which lacks it)."""
+    return device.type == "cuda" and device not in _DOT_SCALED_FAILED
 
 
 def fused_moe_with_config(
@@ -423,22 +575,55 @@ def fused_moe_with_config(
     activation: str = "silu",
     *,
     capture: torch.Tensor | None = None,
+    extras: ExpertExtras | None = None,
+    mxfp4_native: bool | None = None,
 ) -> torch.Tensor:
-    """``fused_moe`` with an explicit tile config (benchmarks sweep these)."""
+    """``fused_moe`` with an explicit tile config (benchmarks sweep these).
+
+    ``mxfp4_native`` picks how MXFP4 weights are decoded: ``tl.dot_scaled``
+    (default on CUDA) or the kernel's own bit arithmetic (``False``).
+    """
     if activation not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; have {ACTIVATIONS}")
     if not _use_triton(hidden):
         raise RuntimeError("fused_moe needs CUDA tensors (or TRITON_INTERPRET=1)")
+    extras = extras or ExpertExtras()
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    mxfp4 = extras.w13_scale is not None
+    if mxfp4:
+        _check_mxfp4(w13, extras.w13_scale, (num_experts, 2 * inter, hidden_size), cfg.block_k)
+        _check_mxfp4(w2, extras.w2_scale, (num_experts, hidden_size, inter), cfg.block_k)
     if num_tokens == 0:
         return hidden.new_empty((0, hidden_size))
     hidden = hidden.contiguous()
     w13 = w13.contiguous()
     w2 = w2.contiguous()
+    # Unused pointers get a real tensor, never read (their constexpr switch is off).
+    b13 = w13 if extras.b13 is None else extras.b13.contiguous()
+    b2 = w2 if extras.b2 is None else extras.b2.contiguous()
+    s13 = w13 if extras.w13_scale is None else extras.w13_scale.contiguous()
+    s2 = w2 if extras.w2_scale is None else extras.w2_scale.contiguous()
+    if mxfp4 and mxfp4_native is None and _mxfp4_native(hidden.device):
+        try:
+            return fused_moe_with_config(
+                hidden, w13, w2, topk_weights, topk_ids, cfg, activation,
+                capture=capture, extras=extras, mxfp4_native=True,
+            )  # fmt: skip
+        except Exception as exc:  # a compile failure: Triton raises several types
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            _DOT_SCALED_FAILED.add(hidden.device)
+            warnings.warn(
+                f"tl.dot_scaled did not compile here ({type(exc).__name__}: {str(exc)[:200]}); "
+                "MXFP4 experts use the kernel's own decoder",
+                stacklevel=2,
+            )
+    native = bool(mxfp4 and mxfp4_native)
+    a_format = "bf16" if hidden.dtype == torch.bfloat16 else "fp16"
 
     routing = align_routing(topk_ids, num_experts, cfg.block_m, capture)
     rows = routing.sorted_pair_ids.shape[0]
@@ -452,6 +637,8 @@ def fused_moe_with_config(
         hidden,
         w13,
         h,
+        b13,
+        s13,
         routing.sorted_pair_ids,
         routing.block_expert_ids,
         routing.num_rows_padded,
@@ -463,8 +650,18 @@ def fused_moe_with_config(
         w13.stride(0),
         w13.stride(1),
         h.stride(0),
+        b13.stride(0),
+        s13.stride(0),
+        s13.stride(1),
+        extras.swiglu_alpha,
+        extras.swiglu_limit,
         TOP_K=top_k,
         ACTIVATION=activation,
+        HAS_BIAS=extras.b13 is not None,
+        INTERLEAVED=extras.interleaved,
+        MXFP4=mxfp4,
+        MX_NATIVE=native,
+        A_FORMAT=a_format,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -478,6 +675,8 @@ def fused_moe_with_config(
         h,
         w2,
         y,
+        b2,
+        s2,
         weights,
         routing.sorted_pair_ids,
         routing.block_expert_ids,
@@ -490,6 +689,13 @@ def fused_moe_with_config(
         w2.stride(0),
         w2.stride(1),
         y.stride(0),
+        b2.stride(0),
+        s2.stride(0),
+        s2.stride(1),
+        HAS_BIAS=extras.b2 is not None,
+        MXFP4=mxfp4,
+        MX_NATIVE=native,
+        A_FORMAT=a_format,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -501,6 +707,22 @@ def fused_moe_with_config(
     if top_k == 1:
         return y
     return y.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def _check_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor | None, shape: tuple[int, int, int], block_k: int
+) -> None:
+    """MXFP4 ``blocks [E, N, K/2]`` uint8 with ``scales [E, N, K/32]`` for a dense ``[E, N, K]``."""
+    e, n, k = shape
+    if k % 32 or block_k % 32:
+        raise ValueError(f"MXFP4 needs K ({k}) and the K tile ({block_k}) in multiples of 32")
+    if scales is None or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError("MXFP4 weights need uint8 blocks and uint8 scales")
+    if tuple(blocks.shape) != (e, n, k // 2) or tuple(scales.shape) != (e, n, k // 32):
+        raise ValueError(
+            f"MXFP4 blocks {list(blocks.shape)} / scales {list(scales.shape)} do not fit "
+            f"[{e}, {n}, {k}] weights"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -573,6 +795,7 @@ def moe_forward(
     *,
     activation: str = "silu",
     capture: torch.Tensor | None = None,
+    extras: ExpertExtras | None = None,
 ) -> torch.Tensor:
     """Routed experts' output with the faster measured implementation for this T.
 
@@ -593,10 +816,18 @@ def moe_forward(
     """
     num_tokens = hidden.shape[0]
     use_grouped = any(lo <= num_tokens < hi for lo, hi in _GROUPED_MM_TOKEN_RANGES)
+    use_grouped = use_grouped and extras is None  # grouped_mm has no biases or MXFP4
     if use_grouped and hidden.dtype == torch.bfloat16 and grouped_mm_available():
         if capture is not None:
             capture.copy_(topk_ids)
         return moe_grouped_mm(hidden, w13, w2, topk_weights, topk_ids, activation=activation)
     return fused_moe(
-        hidden, w13, w2, topk_weights, topk_ids, activation=activation, capture=capture
+        hidden,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        capture=capture,
+        extras=extras,
     )

@@ -7,11 +7,12 @@ concatenation and three products of a rotary embedding).  These kernels do
 the same arithmetic in one pass each and round where the reference rounds:
 
 * RMSNorm: float32 statistics, the normalised row cast to the input dtype,
-  then multiplied by the weight in that dtype (as transformers' modules do).
+  then multiplied by the weight in that dtype (as transformers' modules do;
+  gpt-oss's multiplies the float32 row and rounds once).
 * Rotary (half-split layout): ``x * cos`` and ``rotate_half(x) * sin`` each
   rounded to the input dtype before their sum, which is rounded again: the
   three roundings of the torch expression, done on the bits (see
-  ``_round_to_bf16``), so results are bit-identical.  bfloat16 only.
+  ``triton_rounding``), so results are bit-identical.  bfloat16 only.
 
 Both take ``[rows, heads, dim]`` inputs with any row and head strides (views
 of a fused QKV projection) and write a contiguous output.  The norm takes
@@ -25,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moetrace.kernels.triton_rounding import round_to_bf16
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -37,6 +40,7 @@ def _rms_norm_kernel(
     dim,
     eps,
     BLOCK_D: tl.constexpr,
+    WEIGHT_IN_FLOAT32: tl.constexpr,
 ):
     row = tl.program_id(0)
     t = (row // num_heads).to(tl.int64)
@@ -45,9 +49,12 @@ def _rms_norm_kernel(
     ok = d < dim
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / dim + eps)  # libdevice rsqrtf, as torch's CUDA rsqrt
-    normed = (x * rstd).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0)
-    y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    if WEIGHT_IN_FLOAT32:  # gpt-oss: the weight multiplies the float32 row, one rounding
+        y = (w * (x * rstd)).to(out_ptr.dtype.element_ty)
+    else:
+        normed = (x * rstd).to(out_ptr.dtype.element_ty)
+        y = (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * dim + d, y, mask=ok)
 
 
@@ -60,8 +67,14 @@ def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, x.shape[0], x.shape[1], x.shape[2]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension of a 2-D or 3-D tensor; output contiguous, like ``x``."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, weight_in_float32: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of a 2-D or 3-D tensor; output contiguous, like ``x``.
+
+    ``weight_in_float32``: the weight multiplies the float32 normalised row and
+    the product is rounded once (gpt-oss), instead of after the row's rounding.
+    """
     shape = x.shape
     rows, t, h, d = _as_rows(x)
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -78,22 +91,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         d,
         eps,
         BLOCK_D=block_d,
+        WEIGHT_IN_FLOAT32=weight_in_float32,
         num_warps=min(8, max(1, block_d // 256)),
     )
     return out
-
-
-@triton.jit
-def _round_to_bf16(v):
-    """float32 to the nearest bfloat16 (ties to even), kept in float32.
-
-    Integer arithmetic on the bits: compiled for the H200, a cast down and back
-    up (``v.to(bf16).to(fp32)``) was folded away, so the sum was rounded once
-    instead of three times; nothing folds these integer operations.
-    """
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -128,8 +129,8 @@ def _rotary_kernel(
     c1, c2, s1, s2 = c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
     # out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to
     # bfloat16 (a product of two bfloat16 values is exact in float32).
-    lo = _round_to_bf16(_round_to_bf16(f1 * c1) + _round_to_bf16(-(f2 * s1)))
-    hi = _round_to_bf16(_round_to_bf16(f2 * c2) + _round_to_bf16(f1 * s2))
+    lo = round_to_bf16(round_to_bf16(f1 * c1) + round_to_bf16(-(f2 * s1)))
+    hi = round_to_bf16(round_to_bf16(f2 * c2) + round_to_bf16(f1 * s2))
     dst = out_ptr + (t * num_heads + h[:, None]) * (2 * HALF) + i[None, :]
     tl.store(dst, lo.to(ty), mask=ok)
     tl.store(dst + HALF, hi.to(ty), mask=ok)

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrace.errors import ModelError
+from moetrace.layers.mxfp4 import dequantize_mxfp4
+
 
 def softmax_topk(
     router_logits: torch.Tensor, top_k: int, *, renormalize: bool
@@ -100,8 +103,11 @@ def clamped_swiglu(
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-# Activations of (gate, up) that the fused kernel lacks: experts using one take the plain path.
+# Activations computed from (gate, up) together, not as act(gate) * up.
 GATED_ACTIVATIONS = {"clamped_swiglu": clamped_swiglu}
+# What the fused-MoE kernel computes ("gelu" here is erf's, which it lacks).
+KERNEL_ACTIVATIONS = ("silu", "clamped_swiglu")
+WEIGHT_FORMATS = ("dense", "mxfp4")
 
 
 class MoEExperts(nn.Module):
@@ -110,8 +116,15 @@ class MoEExperts(nn.Module):
     ``w13[e]`` is ``[gate; up]`` of expert ``e`` (``2 * intermediate`` rows),
     ``w2[e]`` its down projection.  The plain path loops over the experts that
     got tokens; on CUDA the fused kernel serves.  Optional biases ``b13[e]``
-    (same row order) and ``b2[e]``, and the ``GATED_ACTIVATIONS``, exist only
-    on the plain path: such experts say ``kernel_capable = False``.
+    (gate then up) and ``b2[e]``.
+
+    ``weight_format="mxfp4"`` keeps the weights as MXFP4 checkpoints store them
+    (gpt-oss): ``w13 [E, 2I, H/2]`` and ``w2 [E, H, I/2]`` uint8, two e2m1
+    values a byte, with e8m0 scales ``w13_scale [E, 2I, H/32]`` and
+    ``w2_scale [E, H, I/32]``, and the rows of ``w13`` alternating gate and up.
+    The kernel decodes them in its K loop; the plain path decodes the experts
+    it uses, at each call.  Either way the values are exact, so the model
+    computes what a dequantized copy would, in a quarter of the memory.
     """
 
     kernel_half_only = True  # the fused-MoE tiles are tuned for 16-bit weights
@@ -125,21 +138,43 @@ class MoEExperts(nn.Module):
         *,
         bias: bool = False,
         activation_args: dict | None = None,
+        weight_format: str = "dense",
     ) -> None:
         super().__init__()
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown expert weight format {weight_format!r}")
         self.num_experts = num_experts
         self.intermediate = intermediate
         self.activation = activation
         self.activation_args = dict(activation_args or {})
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.mxfp4 = weight_format == "mxfp4"
+        if self.mxfp4:
+            if hidden % 32 or intermediate % 32:
+                raise ModelError(
+                    f"MXFP4 experts need widths in multiples of 32 (hidden {hidden}, "
+                    f"intermediate {intermediate})"
+                )
+            byte = torch.uint8
+            self.w13 = _frozen(torch.empty(num_experts, 2 * intermediate, hidden // 2, dtype=byte))
+            self.w2 = _frozen(torch.empty(num_experts, hidden, intermediate // 2, dtype=byte))
+            self.w13_scale = _frozen(
+                torch.empty(num_experts, 2 * intermediate, hidden // 32, dtype=byte)
+            )
+            self.w2_scale = _frozen(
+                torch.empty(num_experts, hidden, intermediate // 32, dtype=byte)
+            )
+        else:
+            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+            self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+            self.register_parameter("w13_scale", None)
+            self.register_parameter("w2_scale", None)
         if bias:
             self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
         else:
             self.register_parameter("b13", None)
             self.register_parameter("b2", None)
-        self.kernel_capable = not bias and activation not in GATED_ACTIVATIONS
+        self.kernel_capable = activation in KERNEL_ACTIVATIONS
         self.use_triton = False
         self._capture: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -165,7 +200,14 @@ class MoEExperts(nn.Module):
             from moetrace.kernels.triton_moe import moe_forward
 
             return moe_forward(
-                x, self.w13, self.w2, weights, ids, activation=self.activation, capture=capture
+                x,
+                self.w13,
+                self.w2,
+                weights,
+                ids,
+                activation=self.activation,
+                capture=capture,
+                extras=self._kernel_extras(),
             )
         if capture is not None:
             capture.copy_(ids)
@@ -185,19 +227,56 @@ class MoEExperts(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
+            w13, w2 = self._dense_weights(expert, x.dtype)
             # Biases are added after the matmul has rounded, as the reference does.
-            gate_up = F.linear(x[tokens], self.w13[expert])
+            gate_up = F.linear(x[tokens], w13)
+            if self.mxfp4:  # rows alternate gate, up
+                gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
             if self.b13 is not None:
-                gate_up = gate_up + self.b13[expert]
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = F.linear(self._glu(gate, up), self.w2[expert])
+                gate = gate + self.b13[expert, : self.intermediate]
+                up = up + self.b13[expert, self.intermediate :]
+            h = F.linear(self._glu(gate, up), w2)
             if self.b2 is not None:
                 h = h + self.b2[expert]
             out.index_add_(0, tokens, h * weight_of[start : start + count, None].to(h.dtype))
             start += count
         return out
 
+    def _dense_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's ``w13`` and ``w2`` as matrices (MXFP4 decoded, its row order kept)."""
+        if not self.mxfp4:
+            return self.w13[expert], self.w2[expert]
+        return (
+            dequantize_mxfp4(
+                self.w13[expert].unflatten(-1, (-1, 16)), self.w13_scale[expert], dtype
+            ),
+            dequantize_mxfp4(self.w2[expert].unflatten(-1, (-1, 16)), self.w2_scale[expert], dtype),
+        )
+
+    def _kernel_extras(self):
+        """Biases, MXFP4 scales and SwiGLU settings for the fused kernel (None: plain experts)."""
+        if self.b13 is None and not self.mxfp4 and self.activation not in GATED_ACTIVATIONS:
+            return None
+        from moetrace.kernels.triton_moe import ExpertExtras
+
+        return ExpertExtras(
+            b13=self.b13,
+            b2=self.b2,
+            w13_scale=self.w13_scale,
+            w2_scale=self.w2_scale,
+            interleaved=self.mxfp4,
+            swiglu_alpha=float(self.activation_args.get("alpha", 1.702)),
+            swiglu_limit=float(self.activation_args.get("limit", 7.0)),
+        )
+
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.activation in GATED_ACTIVATIONS:
             return GATED_ACTIVATIONS[self.activation](gate, up, **self.activation_args)
         return ACTIVATIONS[self.activation](gate) * up
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    """An integer parameter (quantized weights): no gradient."""
+    return nn.Parameter(t, requires_grad=False)

@@ -11,11 +11,13 @@ Checkpoints keep each layer's experts fused: ``mlp.experts.gate_up_proj
 columns, up odd), ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj
 [E, I, H]``, ``down_proj_bias [E, H]``; we transpose and de-interleave them
 into ``MoEExperts``' ``w13``/``w2`` at load.  Published checkpoints store
-the two expert matrices as MXFP4 (``*_blocks``/``*_scales``, see ``mxfp4.py``),
-dequantized at load into the model dtype.
+the two expert matrices as MXFP4 (``*_blocks``/``*_scales``, see
+``layers/mxfp4.py``): those stay MXFP4, in the checkpoint's own layout
+(interleaved rows included), and the kernels decode them as they multiply.
+Biases are de-interleaved either way.
 
-Sinks and the clamped SwiGLU are not in the Triton kernels: attention and
-experts take the plain-torch path on every device.
+Sinks, expert biases, the clamped SwiGLU and MXFP4 are all in the Triton
+kernels, which round where transformers' eager gpt-oss rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from moetrace.errors import ModelError
 from moetrace.layers.moe import MoEExperts, topk_softmax
+from moetrace.layers.mxfp4 import quant_method
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
 from moetrace.models.base import MoEBlockBase
@@ -38,7 +41,6 @@ from moetrace.models.common import (
     map_fused_attention,
     map_norms,
 )
-from moetrace.models.mxfp4 import dequantize_mxfp4, quant_method
 from moetrace.models.weights import WeightMap
 
 RMS_EPS = 1e-5
@@ -81,13 +83,17 @@ class GptOssRMSNorm(RMSNorm):
     """The weight multiplies in float32, before the cast back (the reference keeps it fp32)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from moetrace.kernels.triton_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, weight_in_float32=True)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.to(torch.float32) * h).to(x.dtype)
 
 
 class GptOssBlock(MoEBlockBase):
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, weight_format: str) -> None:
         super().__init__()
         hidden = config["hidden_size"]
         num_experts = config["num_local_experts"]
@@ -104,6 +110,7 @@ class GptOssBlock(MoEBlockBase):
             "clamped_swiglu",
             bias=True,
             activation_args=swiglu,
+            weight_format=weight_format,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +160,7 @@ class GptOssForCausalLM(DecoderLM):
             PreNormDecoderLayer(
                 lambda: GptOssRMSNorm(hidden, eps),
                 GptOssAttention(config, self.rotary, kind == "sliding_attention"),
-                GptOssBlock(config),
+                GptOssBlock(config, "mxfp4" if self.quantization == "mxfp4" else "dense"),
             )
             for kind in layer_types
         )
@@ -231,13 +238,17 @@ def _bias_loader(experts: MoEExperts) -> Callable[[str, torch.Tensor], None]:
 def _mxfp4_loader(
     pending: dict[str, torch.Tensor], base: str, experts: MoEExperts, proj: str
 ) -> Callable[[str, torch.Tensor], None]:
-    """Holds whichever of blocks/scales comes first (shards may split them), then dequantizes.
+    """Holds whichever of blocks/scales comes first (shards may split them), then stores both.
 
-    Dequantized, ``gate_up_proj`` is ``[E, 2I, H]`` with interleaved rows and
-    ``down_proj`` is ``[E, H, I]``: ``w2`` as is.  One expert at a time, to
-    bound the float32 scratch.
+    ``gate_up_proj_blocks [E, 2I, H/32, 16]`` (rows interleaved) and
+    ``down_proj_blocks [E, H, I/32, 16]`` are ``w13`` and ``w2`` as they are,
+    their scales ``w13_scale`` and ``w2_scale``.
     """
-    target = experts.w13 if proj == "gate_up_proj" else experts.w2
+    blocks_dst, scales_dst = (
+        (experts.w13, experts.w13_scale)
+        if proj == "gate_up_proj"
+        else (experts.w2, experts.w2_scale)
+    )
 
     def load(name: str, t: torch.Tensor) -> None:
         pending[name] = t
@@ -245,11 +256,10 @@ def _mxfp4_loader(
         if blocks is None or scales is None:
             return
         del pending[f"{base}_blocks"], pending[f"{base}_scales"]
-        experts_, rows, cols = target.shape
-        _check(f"{base}_blocks", blocks, (experts_, rows, cols // 32, 16))
-        _check(f"{base}_scales", scales, (experts_, rows, cols // 32))
-        for e in range(target.shape[0]):
-            dense = dequantize_mxfp4(blocks[e], scales[e], target.dtype)
-            target[e].copy_(deinterleave(dense, dim=0) if proj == "gate_up_proj" else dense)
+        e, rows, groups = scales_dst.shape
+        _check(f"{base}_blocks", blocks, (e, rows, groups, 16))
+        _check(f"{base}_scales", scales, (e, rows, groups))
+        blocks_dst.copy_(blocks.reshape(e, rows, groups * 16))
+        scales_dst.copy_(scales)
 
     return load

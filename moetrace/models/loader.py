@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from moetrace.errors import ModelError
+from moetrace.layers.mxfp4 import random_mxfp4_
 from moetrace.models.base import MoEForCausalLM
 from moetrace.models.checkpoint_files import open_safetensors, safetensors_files
 from moetrace.models.config_checks import parse_config_file
@@ -172,6 +173,8 @@ def _read_tensor(f, name: str, model: MoEForCausalLM) -> torch.Tensor:
 def fill_dummy(model: MoEForCausalLM, seed: int, std: float = 0.02) -> None:
     """Seeded random weights: matrices N(0, std), norm scales 1, biases 0.
 
+    MXFP4 experts get random codes under a scale that puts their RMS near ``std``.
+
     A tensor-parallel rank draws each split matrix whole and keeps its slice,
     so its weights are exactly the single-device run's.
     """
@@ -180,7 +183,9 @@ def fill_dummy(model: MoEForCausalLM, seed: int, std: float = 0.02) -> None:
         for name, param in model.named_parameters():
             device = param.device
             gen = torch.Generator(device=device).manual_seed(seed + _stable_index(name))
-            if param.dim() == 1:
+            if not param.is_floating_point():  # MXFP4 experts: random codes, scales to match std
+                random_mxfp4_(param, name, std, gen)
+            elif param.dim() == 1:
                 if "norm" in name and not name.endswith(".bias"):  # LayerNorm bias: 0
                     param.fill_(1.0)
                 else:

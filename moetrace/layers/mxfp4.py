@@ -1,13 +1,17 @@
-"""MXFP4 (OCP microscaling FP4) weights, dequantized once at load.
+"""MXFP4 (OCP microscaling FP4) weights: decoding, and random ones for dummy loads.
 
 A quantized tensor is two checkpoint tensors: ``*_blocks [..., G, 16]`` uint8,
 each byte two FP4 (e2m1) values with the low nibble first, and
 ``*_scales [..., G]`` uint8, one e8m0 exponent per block of 32 values
 (scale ``2 ** (s - 127)``).  The 32 values of block ``g`` are elements
-``32 g .. 32 g + 31`` of the last dimension.
+``32 g .. 32 g + 31`` of the last dimension.  Experts keep them so on the
+device (``MoEExperts(weight_format="mxfp4")``); this module decodes them for
+the plain path and the tests.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -48,3 +52,21 @@ def quant_method(config: dict) -> str | None:
     if not isinstance(quant, dict) or not quant.get("quant_method"):
         raise ModelError("quantization_config without a quant_method")
     return str(quant["quant_method"]).lower()
+
+
+def random_mxfp4_(tensor: torch.Tensor, name: str, std: float, gen: torch.Generator) -> None:
+    """Fill an MXFP4 parameter for ``--load-format dummy``: values of about ``std`` RMS.
+
+    Blocks get uniform random bytes (every e2m1 code equally likely: RMS
+    ``sqrt(mean(v**2))`` = 2.93), scales ``2 ** (s - 127)`` with ``s`` chosen
+    so that the RMS lands within a factor sqrt(2) of ``std``.
+    """
+    if name.endswith("_scale"):
+        rms = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5
+        tensor.fill_(E8M0_BIAS + round(math.log2(std / rms)))
+    else:
+        tensor.copy_(
+            torch.randint(
+                0, 256, tensor.shape, generator=gen, device=gen.device, dtype=tensor.dtype
+            )
+        )
