@@ -7,7 +7,8 @@ head_dim 128) and OLMoE-1B-7B (16 / 16, 128), plus prefill and small-batch
 long-context shapes; KV store; fused MoE at T=256 (decode) and T=8192
 (prefill) for both models: Triton vs ``grouped_mm`` vs a naive per-expert
 torch loop, and a T sweep, eager and CUDA-graph replayed, that sets
-``moe_forward``'s switch-over.
+``moe_forward``'s switch-over; gpt-oss-20b's attention with sinks and its MoE
+layer with bf16 and MXFP4 experts (``kernels.py gpt-oss``).
 
 Times are ``triton.testing.do_bench`` medians.  "eager" times include the
 host's launch overhead whenever that exceeds the GPU time (as it would in the
@@ -423,6 +424,65 @@ def moe_crossover(name: str, experts: int, top_k: int, hidden: int, inter: int) 
                 try_bench(what, "grouped_mm", fn, nbytes=nbytes, graph=True)
 
 
+def gpt_oss() -> None:
+    """gpt-oss-20b's attention (64 q / 8 kv heads of 64, sinks, window 128 or none) at decode
+    B=256 ctx 384, and one MoE layer (E32 k4 H2880 I2880, biases, clamped SwiGLU) with bf16
+    or MXFP4 experts (MXFP4 decoded by ``tl.dot_scaled`` or by the kernel's own bits)."""
+    from moetrace.layers.moe import MoEExperts
+
+    heads, kv_heads, dim = (8, 2, 64) if SMOKE else (64, 8, 64)
+    batch, ctx = (4, 40) if SMOKE else (256, 384)
+    q, kc, vc, meta = paged_batch([1] * batch, [ctx] * batch, heads, kv_heads, dim)
+    sinks = torch.randn(heads, dtype=torch.bfloat16, device=DEV)
+    for window in (128, None):
+        read = min(ctx, window or ctx)
+        nbytes = 2 * batch * read * kv_heads * dim * 2
+        what = f"decode attn gpt-oss B{batch} ctx{ctx} window {window}"
+        for variant, sk in (("no sinks", None), ("sinks (two passes)", sinks)):
+            fn = partial(
+                ta.paged_attention, q, kc, vc, meta, 0.125, sliding_window=window, sinks=sk
+            )
+            try_bench(what, variant, fn, nbytes=nbytes)
+            try_bench(what, variant, fn, nbytes=nbytes, graph=True)
+    hidden = inter = 64 if SMOKE else 2880
+    for fmt in ("dense", "mxfp4"):
+        experts = MoEExperts(32, hidden, inter, "clamped_swiglu", bias=True, weight_format=fmt).to(
+            DEV
+        )
+        with torch.no_grad():
+            for name, p in experts.named_parameters():
+                if name.endswith("_scale"):
+                    p.fill_(120)  # e2m1 codes times 2**-7: RMS 0.023
+                elif p.dtype == torch.uint8:
+                    p.copy_(torch.randint(0, 256, p.shape))
+                else:
+                    p.normal_(0, 0.02)
+        experts = experts.to(torch.bfloat16)
+        extras = experts._kernel_extras()
+        per_expert = sum(p[0].nbytes for p in experts.parameters())
+        for tokens in (8, 33) if SMOKE else (256, 8192):
+            x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=DEV)
+            wts, ids = routing(tokens, 32, 4)
+            wts = wts.to(torch.bfloat16)
+            nbytes = int(torch.unique(ids).numel()) * per_expert
+            flops = 2 * tokens * 4 * 3 * hidden * inter
+            what = f"moe gpt-oss-20b {fmt} T{tokens}"
+            default = tm.moe_config(tokens, 4, 32)
+            for cfg in dict.fromkeys([default, *MOE_SWEEP]):
+                if (cfg != default and SMOKE) or (tokens <= 256) != (cfg.block_m <= 64):
+                    continue
+                for native in (True, False) if fmt == "mxfp4" and not SMOKE else (None,):
+                    fn = partial(
+                        tm.fused_moe_with_config, x, experts.w13, experts.w2, wts, ids, cfg,
+                        "clamped_swiglu", extras=extras, mxfp4_native=native,
+                    )  # fmt: skip
+                    decode = {True: "dot_scaled", False: "bits", None: ""}[native]
+                    variant = f"M{cfg.block_m} N{cfg.block_n} K{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {decode}"
+                    if cfg == default:
+                        variant += " (default)"
+                    try_bench(what, variant, fn, nbytes=nbytes, flops=flops, graph=tokens <= 256)
+
+
 def main() -> None:
     if not torch.cuda.is_available() and not SMOKE:
         print("benchmarks/kernels.py needs CUDA", file=sys.stderr)
@@ -441,6 +501,7 @@ def main() -> None:
         "moe-olmoe": lambda: moe("OLMoE E64 k8 H2048 I1024", 64, 8, 2048, 1024),
         "moe-sweep-qwen3": lambda: moe_crossover("Qwen3", 128, 8, 2048, 768),
         "moe-sweep-olmoe": lambda: moe_crossover("OLMoE", 64, 8, 2048, 1024),
+        "gpt-oss": gpt_oss,
     }
     # Optional arguments pick sections by prefix, in that order: `kernels.py moe` runs the MoE ones.
     wanted = [a for a in sys.argv[1:] if not a.startswith("--")]

@@ -136,23 +136,27 @@ def decode_step_profile(engine: LLMEngine, model, batch: int, last_plans: dict) 
     item = next(model.parameters()).element_size()
     routed = engine.runner.capturer.buffer[:batch].cpu().numpy() if engine.runner.capturer else None
     for name, param in model.named_parameters():
-        if name.endswith("experts.w13") or name.endswith("experts.w2"):
+        if ".experts." in name:  # counted per routed expert below
             continue
         if "embed_tokens" in name:
-            touched += batch * param.shape[1] * item
+            touched += batch * param.shape[1] * param.element_size()
             continue
-        touched += param.numel() * item
+        touched += param.nbytes
     for block in model.moe_blocks():
-        per_expert = (block.experts.w13[0].numel() + block.experts.w2[0].numel()) * item
+        # One expert's share of every expert tensor (weights, MXFP4 scales, biases).
+        per_expert = sum(p[0].nbytes for p in block.experts.parameters())
         used = (
             len(np.unique(routed[:, block.moe_index]))
             if routed is not None
             else block.experts.num_experts
         )
         touched += used * per_expert
-    seq_lens = graphs.buffers[batch].seq_lens[:batch].cpu().numpy()
-    kv_per_token = sum(2 * a.num_kv_heads * a.head_dim * item for a in model.attention_layers())
-    kv_bytes = int(seq_lens.sum()) * kv_per_token
+    seq_lens = graphs.buffers[batch].seq_lens[:batch].cpu().numpy().astype(np.int64)
+    kv_bytes = 0
+    for layer in model.attention_layers():  # a sliding-window layer reads its window only
+        window = getattr(layer, "sliding_window", None)
+        tokens = np.minimum(seq_lens, window).sum() if window else seq_lens.sum()
+        kv_bytes += int(tokens) * 2 * layer.num_kv_heads * layer.head_dim * item
     return {"step_ms": step_s * 1e3, "weight_bytes": touched, "kv_bytes": kv_bytes}
 
 
@@ -223,7 +227,9 @@ def bench_moetrace(name: str, config: dict, prompts, output_lens, args, results:
 def bench_transformers(name: str, config: dict, prompts, args, results: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    # transformers dequantizes MXFP4 experts to bf16 on a GPU without its MXFP4 kernels package.
+    skip = ("architectures", "quantization_config")
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in skip})
     dtype = torch.bfloat16 if device().type == "cuda" else torch.float32
     with device():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
