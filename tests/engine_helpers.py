@@ -71,3 +71,44 @@ def shared_prefix_prompts(seed: int, count: int, vocab: int = 97) -> dict[str, l
         tail = rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist()
         prompts[f"r{i}"] = stem + tail
     return prompts
+
+
+def assert_forward_never_syncs(model, device: torch.device) -> None:
+    """A prefill step's forward, eager and padded as graphs capture it, and its routing copy,
+    with torch's sync checker set to raise.
+
+    Both forwards run once before, unchecked: Triton compiles its kernels on
+    first use, which may synchronise.
+    """
+    from moetrace.engine.step_plan import build_plan
+    from moetrace.forward_context import forward_context
+
+    config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=8, enforce_eager=True)
+    eng = LLMEngine(model, config, device)
+    for i in range(4):
+        eng.add_request(f"r{i}", list(range(10 + i, 40 + i)), SamplingParams(max_tokens=4))
+    output = eng.scheduler.schedule()
+    assert len(output.scheduled) == 4
+    plan = build_plan(output, 16)
+    ids, pos, meta, _rows = eng.runner.staged_inputs(plan)
+    graphs = eng.runner.graphs
+    size = graphs.bucket(plan.num_tokens)
+    padded_meta = graphs._stage(plan, size)
+
+    def forwards() -> None:
+        with torch.inference_mode(), forward_context(meta):
+            model(ids, pos)
+        with torch.inference_mode():
+            graphs._forward(size, padded_meta)  # the padded step, as graphs capture it
+
+    forwards()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forwards()
+        eng.runner.transfer.start(
+            eng.runner.capturer.tensors(plan.num_tokens), plan.slots, plan.slots * 0
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_helpers import shared_prefix_prompts, tiny_qwen3_config
+from engine_helpers import assert_forward_never_syncs, shared_prefix_prompts, tiny_qwen3_config
 
 from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
@@ -250,38 +250,4 @@ def test_bf16_routing_equals_transformers_router_teacher_forced(tmp_path):
 
 def test_forward_and_capture_never_sync_the_host():
     """The model forward and the routing copy run with torch's sync checker set to raise."""
-    from moetrace.engine.scheduler import ScheduledRequest, SchedulerOutput
-
-    model = gpu_model(torch.bfloat16)
-    config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=8, enforce_eager=True)
-    eng = LLMEngine(model, config, CUDA)
-    requests = []
-    for i in range(4):
-        eng.add_request(f"r{i}", list(range(10 + i, 40 + i)), SamplingParams(max_tokens=4))
-    output = eng.scheduler.schedule()
-    requests = [s.request for s in output.scheduled]
-    assert len(requests) == 4 and isinstance(output.scheduled[0], ScheduledRequest)
-    plan_output = SchedulerOutput(output.scheduled)
-    from moetrace.engine.step_plan import build_plan
-
-    plan = build_plan(plan_output, 16)
-    ids, pos, meta, _rows = eng.runner.staged_inputs(plan)
-    torch.cuda.synchronize()
-    from moetrace.forward_context import forward_context
-
-    graphs = eng.runner.graphs
-    size = graphs.bucket(plan.num_tokens)
-    padded_meta = graphs._stage(plan, size)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.inference_mode(), forward_context(meta):
-            model(ids, pos)
-        with torch.inference_mode():
-            graphs._forward(size, padded_meta)  # the padded step, as graphs capture it
-        eng.runner.transfer.start(
-            eng.runner.capturer.tensors(plan.num_tokens), plan.slots, plan.slots * 0
-        )
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_forward_never_syncs(gpu_model(torch.bfloat16), CUDA)

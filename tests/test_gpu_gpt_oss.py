@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_helpers import assert_forward_never_syncs
 from gpt_oss_fidelity import (
     REAL_WIDTH,
     build_twins,
@@ -21,7 +22,7 @@ from gpt_oss_fidelity import (
 )
 from gpt_oss_helpers import mxfp4_twins
 from hf_reference import make_tiny_checkpoint
-from parity import record
+from parity import record, rows_equal_while_tokens_agree
 
 from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
@@ -92,29 +93,7 @@ def test_every_module_on_the_kernels_and_graphs_replay_eager_steps(weight_format
 
 def test_forward_and_capture_never_sync_the_host():
     """Sinks, MXFP4 experts and in-kernel capture with torch's sync checker set to raise."""
-    from moetrace.engine.step_plan import build_plan
-    from moetrace.forward_context import forward_context
-
-    model = tiny_gpt_oss("mxfp4")
-    config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=8, enforce_eager=True)
-    eng = LLMEngine(model, config, CUDA)
-    for i in range(4):
-        eng.add_request(f"r{i}", list(range(10 + i, 40 + i)), SamplingParams(max_tokens=4))
-    plan = build_plan(eng.scheduler.schedule(), 16)
-    ids, pos, meta, _rows = eng.runner.staged_inputs(plan)
-    with torch.inference_mode(), forward_context(meta):
-        model(ids, pos)  # compile the kernels first (Triton may sync while compiling)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.inference_mode(), forward_context(meta):
-            model(ids, pos)
-        eng.runner.transfer.start(
-            eng.runner.capturer.tensors(plan.num_tokens), plan.slots, plan.slots * 0
-        )
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_forward_never_syncs(tiny_gpt_oss("mxfp4"), CUDA)
 
 
 @pytest.mark.parametrize("weight_format", ["dense", "mxfp4"])
@@ -129,16 +108,7 @@ def test_float32_cuda_records_what_the_cpu_records(tmp_path, weight_format):
     cpu = record(ckpt, prompts, 6, **engine)["done"]
     gpu = record(ckpt, prompts, 6, device=CUDA, **engine)
     assert any(m.use_triton for m in gpu["model"].modules() if hasattr(m, "use_triton"))
-    equal = []
-    for rid, done in gpu["done"].items():
-        want = cpu[rid]
-        same = 0  # rows after the first differing token are not comparable
-        for a, b in zip(done.output_token_ids, want.output_token_ids, strict=True):
-            if a != b:
-                break
-            same += 1
-        n = min(len(done.prompt_token_ids) + same, len(done.routed_experts))
-        equal += (done.routed_experts[:n] == want.routed_experts[:n]).all(axis=(1, 2)).tolist()
+    equal = rows_equal_while_tokens_agree(gpu["done"], cpu)
     assert np.mean(equal) > 0.99, np.mean(equal)
 
 

@@ -98,20 +98,12 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H, D]."""
         meta = get_attention_metadata()
         if self.use_triton:
-            from moetrace.kernels.triton_attention import paged_attention, store_kv
-
-            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            return paged_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                meta,
-                self.scale,
-                sliding_window=self.sliding_window,
-                sinks=self.sinks,
-            )
-        store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return paged_attention_torch(
+            from moetrace.kernels.triton_attention import paged_attention as attend
+            from moetrace.kernels.triton_attention import store_kv
+        else:
+            attend, store_kv = paged_attention_torch, store_kv_torch
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return attend(
             q,
             self.k_cache,
             self.v_cache,
