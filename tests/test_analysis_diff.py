@@ -112,11 +112,11 @@ def test_diff_cli(pair, tmp_path):
     _, a_path, b_path = pair
     runner = CliRunner()
     res = runner.invoke(app, ["diff", str(a_path), str(b_path), "--json"])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # different, as diff(1) says it
     d = json.loads(res.stdout)
     assert d["tokens_with_difference"] == 2
     res = runner.invoke(app, ["diff", str(a_path), str(b_path), "--plot", str(tmp_path / "d.png")])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output
     assert "token mismatch" in res.stdout and "diverge" in res.stdout
     assert (tmp_path / "d.png").stat().st_size > 10_000
     same = runner.invoke(app, ["diff", str(a_path), str(a_path)])
@@ -134,6 +134,7 @@ def test_unknown_tokens_compare_as_equal():
             finish_reason="stop", position=0, row_start=0, token_start=0, checksum=0,
         )  # fmt: skip
 
-    assert compared_rows(req([1, 2, 3, 4], 3), req([-1, -1, -1, -1], 3)) == (3, None, True)
-    assert compared_rows(req([1, 2, 3, 4], 3), req([1, 2, 9, 4], 3)) == (2, 2, False)
-    assert compared_rows(req([1, 2, 3], 2), req([1, 2, 3, 4], 3)) == (2, 3, False)
+    # (rows compared, first differing token, one is a prefix of the other, unknown ids)
+    assert compared_rows(req([1, 2, 3, 4], 3), req([-1, -1, -1, -1], 3)) == (3, None, False, True)
+    assert compared_rows(req([1, 2, 3, 4], 3), req([1, 2, 9, 4], 3)) == (2, 2, False, False)
+    assert compared_rows(req([1, 2, 3], 2), req([1, 2, 3, 4], 3)) == (2, None, True, False)

@@ -42,17 +42,23 @@ def check_comparable(a: Trace, b: Trace) -> list[str]:
     ]
 
 
-def compared_rows(a: TraceRequest, b: TraceRequest) -> tuple[int, int | None, bool]:
-    """Rows both runs computed from the same tokens, where the tokens part (None: never), and
-    whether a token id was unknown (an imported trace without ids matches any id)."""
+def compared_rows(a: TraceRequest, b: TraceRequest) -> tuple[int, int | None, bool, bool]:
+    """How far two runs of a request can be compared.
+
+    Returns (rows both computed from the same tokens, the first token position
+    where the token ids differ (None: never), whether one sequence is a proper
+    prefix of the other (a shorter run), whether a token id was unknown (an
+    imported trace without ids matches any id)).
+    """
     ta = np.concatenate([a.prompt_token_ids, a.output_token_ids])
     tb = np.concatenate([b.prompt_token_ids, b.output_token_ids])
     m = min(len(ta), len(tb))
     unknown = (ta[:m] < 0) | (tb[:m] < 0)
     same = (ta[:m] == tb[:m]) | unknown
     common = int(np.argmin(same)) if not same.all() else m
-    diverged = None if common == len(ta) == len(tb) else common
-    return min(common, a.num_rows, b.num_rows), diverged, bool(unknown.any())
+    differs_at = None if common == m else common
+    shorter = differs_at is None and len(ta) != len(tb)
+    return min(common, a.num_rows, b.num_rows), differs_at, shorter, bool(unknown.any())
 
 
 def compare_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -159,18 +165,38 @@ class RoutingDiff:
 def _pairs(
     a: Trace, b: Trace, match: str, ids: list[str] | None
 ) -> Iterator[tuple[TraceRequest, TraceRequest | None]]:
-    """Requests of ``a`` (all, or those named) with their counterpart in ``b`` (None if absent)."""
+    """Requests of ``a`` (all, or those named) with their counterpart in ``b`` (None if absent).
+
+    By ``id`` the samples of one prompt pair by sample index too.
+    """
     if match not in ("id", "index"):
         raise MoetraceError(f"--match must be 'id' or 'index', got {match!r}")
+    samples = b.sample_indices.tolist()
     if match == "id":
-        b_keys = {rid: i for i, rid in reversed(list(enumerate(b.request_ids)))}
+        keys = zip(b.request_ids, samples, strict=True)
     else:
-        b_keys = {int(x): i for i, x in reversed(list(enumerate(b.requests["index"])))}
+        keys = zip(b.requests["index"].tolist(), samples, strict=True)
+    b_keys = {key: i for i, key in reversed(list(enumerate(keys)))}
+    missing = [rid for rid in ids or [] if rid not in set(a.request_ids)]
+    if missing:
+        raise MoetraceError(f"no request {missing[0]!r} in {a.path}")
     source = a if ids is None else (a.request(rid) for rid in ids)
     for req in source:
-        key = req.id if match == "id" else req.index
+        key = (req.id if match == "id" else req.index, req.sample_index)
         pos = b_keys.get(key)
         yield req, (None if pos is None else b.request(pos))
+
+
+def _no_pairs_hint(a: Trace, b: Trace, match: str) -> str:
+    """What to say when not one request of A has a counterpart in B."""
+    if match == "index":
+        return "no request pairs up by input index; the traces hold different prompts"
+    ids_a, ids_b = a.request_ids[:1], b.request_ids[:1]
+    seen = f" (A's ids look like {ids_a[0]!r}, B's like {ids_b[0]!r})" if ids_a and ids_b else ""
+    return (
+        f"no request id of A is in B{seen}: an imported trace keeps the server's ids; "
+        "if both ran the same prompts in the same order, try --match index"
+    )
 
 
 def diff_traces(
@@ -190,69 +216,91 @@ def diff_traces(
     layers = [int(x) for x in a.metadata["moe_layer_indices"]]
     acc = RoutingDiff(len(layers))
     details, only_a, seen_b = [], [], set()
-    rows_excluded = diverged = prompts_differ = unknown_tokens = 0
+    rows_excluded = diverged = shorter = prompts_differ = unknown_tokens = 0
     for ra, rb in _pairs(a, b, match, ids):
         if rb is None:
             only_a.append(ra.id)
             continue
         seen_b.add(rb.position)
-        n, divergence, unknown = compared_rows(ra, rb)
+        n, differs_at, is_shorter, unknown = compared_rows(ra, rb)
         unknown_tokens += unknown
         figures = acc.add(ra.routed_experts[:n], rb.routed_experts[:n], ra.prompt_len)
         excluded = max(ra.num_rows, rb.num_rows) - n
         rows_excluded += excluded
         prompt_same = ra.prompt_len == rb.prompt_len and (
-            divergence is None or divergence >= ra.prompt_len
+            differs_at is None or differs_at >= ra.prompt_len
         )
         prompts_differ += not prompt_same
-        diverged += divergence is not None
-        differs = figures["tokens_with_difference"] or excluded or divergence is not None
+        diverged += differs_at is not None
+        shorter += is_shorter
+        differs = figures["tokens_with_difference"] or excluded or differs_at is not None
         if differs and (len(details) < detail_limit or detail_limit == 0):
             details.append(
                 {
                     "id": ra.id,
                     "b_id": rb.id,
+                    "sample_index": ra.sample_index,
                     "rows_a": ra.num_rows,
                     "rows_b": rb.num_rows,
                     "compared_rows": n,
                     "excluded_rows": excluded,
-                    "tokens_diverge_at": divergence,
+                    "tokens_diverge_at": differs_at,
+                    "one_is_shorter": is_shorter,
                     "prompt_differs": not prompt_same,
                     **figures,
                 }
             )
     only_b = [rid for i, rid in enumerate(b.request_ids) if i not in seen_b] if ids is None else []
+    compared = (a.num_requests if ids is None else len(ids)) - len(only_a)
     result = acc.result(layers)
     if unknown_tokens:
         warnings.append(
             f"{unknown_tokens} request(s) have unknown token ids; their rows were compared "
             "as if the tokens matched"
         )
-    identical = (
-        result["tokens_with_difference"] == 0
-        and rows_excluded == 0
-        and not only_a
-        and not only_b
-        and diverged == 0
-    )
+    if compared == 0 and (a.num_requests or b.num_requests):
+        warnings.append(_no_pairs_hint(a, b, match))
+    verdict = {
+        "routing": (
+            "nothing compared"
+            if result["tokens"] == 0
+            else "differs"
+            if result["tokens_with_difference"]
+            else "identical"
+        ),
+        "sequences": ("identical" if not (diverged or shorter or only_a or only_b) else "differ"),
+    }
+    # Traces of the same requests with the same tokens and no differing row.
+    identical = verdict["routing"] != "differs" and verdict["sequences"] == "identical"
     return {
         "a": str(a.path),
         "b": str(b.path),
         "match": match,
+        "verdict": verdict,
         "identical": identical,
         "warnings": warnings,
         "requests": {
             "a": a.num_requests,
             "b": b.num_requests,
-            "compared": a.num_requests - len(only_a) if ids is None else len(ids) - len(only_a),
+            "compared": compared,
             "only_in_a": len(only_a),
             "only_in_b": len(only_b),
             "only_in_a_ids": only_a[:20],
             "only_in_b_ids": only_b[:20],
             "tokens_diverged": diverged,
+            "one_is_shorter": shorter,
             "prompts_differ": prompts_differ,
         },
         "rows_excluded": rows_excluded,
         **result,
         "request_detail": details,
     }
+
+
+def diff_exit_code(result: dict) -> int:
+    """As diff(1): 0 identical, 1 different, 2 nothing could be compared."""
+    if result["identical"]:
+        return 0
+    if result["requests"]["compared"] == 0 and result["requests"]["a"] + result["requests"]["b"]:
+        return 2
+    return 1

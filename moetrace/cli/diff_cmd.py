@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -10,7 +11,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from moetrace.analysis.diff import diff_exit_code, diff_traces
 from moetrace.cli.pipes import StdoutConsole
+from moetrace.errors import MoetraceError
 from moetrace.trace.reader import open_trace
 
 
@@ -31,10 +34,28 @@ def diff_command(
     Jaccard overlap of the top-k sets, first diverging layer (R3's figures).
 
     Where the generated tokens part ways, only the common prefix is compared.
+    Two verdicts: routing (over the compared rows) and sequences (tokens,
+    lengths, requests). Exit code as diff(1): 0 identical, 1 different,
+    2 trouble (nothing to compare, unreadable input).
     Example: moetrace diff bf16.h5 fp32.h5
     """
-    from moetrace.analysis.diff import diff_traces
+    try:
+        result = _diff(trace_a, trace_b, as_json, match, request, limit, plot)
+    except MoetraceError as exc:  # diff(1)'s "trouble"
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    raise typer.Exit(diff_exit_code(result))
 
+
+def _diff(
+    trace_a: Path,
+    trace_b: Path,
+    as_json: bool,
+    match: str,
+    request: list[str],
+    limit: int,
+    plot: Path | None,
+) -> dict:
     if plot is not None:
         from moetrace.analysis.plots import check_plot_path
 
@@ -55,8 +76,38 @@ def diff_command(
         )
     if as_json:
         typer.echo(json.dumps(result))
-        return
-    _render(StdoutConsole(), result, limit)
+    else:
+        _render(StdoutConsole(), result, limit)
+    return result
+
+
+def _routing_verdict(d: dict) -> str:
+    """Over the rows both runs computed from the same tokens (the common prefixes)."""
+    verdict, tokens = d["verdict"]["routing"], d["tokens"]
+    if verdict == "nothing compared":
+        return "[yellow]nothing compared[/yellow]"
+    if verdict == "identical":
+        return f"identical at all {tokens:,} tokens compared"
+    return f"differs at {d['tokens_with_difference']:,} of the {tokens:,} tokens compared"
+
+
+def _sequence_verdict(d: dict) -> str:
+    req = d["requests"]
+    reasons = [
+        f"generated tokens diverge in {req['tokens_diverged']:,} request(s)"
+        if req["tokens_diverged"]
+        else "",
+        f"one run is shorter in {req['one_is_shorter']:,} request(s)"
+        if req["one_is_shorter"]
+        else "",
+        f"{req['only_in_a']:,} request(s) only in A" if req["only_in_a"] else "",
+        f"{req['only_in_b']:,} only in B" if req["only_in_b"] else "",
+    ]
+    reasons = [r for r in reasons if r]
+    if not reasons:
+        return "identical (same requests, same tokens)"
+    left_out = f" ({d['rows_excluded']:,} rows past the common prefix left out)"
+    return "differ: " + "; ".join(reasons) + (left_out if d["rows_excluded"] else "")
 
 
 def _pct(x) -> str:
@@ -66,20 +117,14 @@ def _pct(x) -> str:
 def _render(console: Console, d: dict, limit: int) -> None:
     req = d["requests"]
     head = Table(show_header=False, box=None, title=f"{d['a']}  vs  {d['b']}")
-    verdict = "identical routing" if d["identical"] else "routing differs"
-    head.add_row("verdict", f"[bold]{verdict}[/bold]")
+    head.add_row("verdict", f"[bold]{'identical' if d['identical'] else 'different'}[/bold]")
+    head.add_row("routing", _routing_verdict(d))
+    head.add_row("sequences", _sequence_verdict(d))
     head.add_row(
         "requests",
         f"{req['compared']:,} compared by {d['match']}; {req['only_in_a']:,} only in A, "
         f"{req['only_in_b']:,} only in B",
     )
-    head.add_row("tokens compared", f"{d['tokens']:,}")
-    if req["tokens_diverged"]:
-        head.add_row(
-            "tokens diverge",
-            f"in {req['tokens_diverged']:,} request(s): only the common prefix is compared "
-            f"({d['rows_excluded']:,} rows left out)",
-        )
     if req["prompts_differ"]:
         head.add_row("prompts differ", f"in {req['prompts_differ']:,} request(s)")
     head.add_row("token mismatch", f"{_pct(d['token_mismatch'])} (any layer's top-k set differs)")

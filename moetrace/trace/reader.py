@@ -181,6 +181,13 @@ class Trace:
     def request_ids(self) -> list[str]:
         return self._table["id"].tolist()
 
+    @property
+    def sample_indices(self) -> np.ndarray:
+        """Each record's sample index (several samples of one prompt); zeros in older files."""
+        if "sample_index" in (self._table.dtype.names or ()):
+            return self._table["sample_index"].astype(np.int64)
+        return np.zeros(len(self._table), dtype=np.int64)
+
     def finish_reason_name(self, code: int) -> str:
         return self._reason_names[int(code)]
 
