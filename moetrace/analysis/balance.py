@@ -70,28 +70,33 @@ def _num(x) -> float | None:
 
 
 def layer_load(counts: np.ndarray, layers: list[int]) -> list[dict]:
-    """All load figures per layer, in the order of ``layers``."""
+    """All load figures per layer, in the order of ``layers``.
+
+    A layer with no assignments in the selection has no load to describe: its
+    figures are None, not zeros (no expert is "dead", none is on top).
+    """
     s = load_stats(counts)
     g = gini(counts)
     sh = shares(counts)
     out = []
     for i, layer in enumerate(layers):
-        top = int(np.argmax(counts[i]))
+        assignments = int(counts[i].sum())
+        top = int(np.argmax(counts[i])) if assignments else None
         out.append(
             {
                 "layer": int(layer),
-                "assignments": int(counts[i].sum()),
-                "min": int(s.min[i]),
-                "max": int(s.max[i]),
-                "mean": float(s.mean[i]),
+                "assignments": assignments,
+                "min": int(s.min[i]) if assignments else None,
+                "max": int(s.max[i]) if assignments else None,
+                "mean": float(s.mean[i]) if assignments else None,
                 "max_over_mean": _num(s.max_over_mean[i]),
                 "max_violation": _num(s.max_violation[i]),
                 "cv": _num(s.cv[i]),
                 "gini": _num(g[i]),
                 "normalized_entropy": _num(s.normalized_entropy[i]),
-                "dead_experts": int(s.dead[i]),
+                "dead_experts": int(s.dead[i]) if assignments else None,
                 "top_expert": top,
-                "top_share": _num(sh[i, top]),
+                "top_share": None if top is None else _num(sh[i, top]),
             }
         )
     return out

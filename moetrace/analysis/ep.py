@@ -117,7 +117,7 @@ class EPBalance:
                     "rank_load": load.tolist(),
                     "max_over_mean": float(load.max() / mean) if mean else None,
                     "max_violation": float((load.max() - mean) / mean) if mean else None,
-                    "busiest_rank": int(np.argmax(load)),
+                    "busiest_rank": int(np.argmax(load)) if load.sum() else None,
                     "mean_ranks_per_token": (
                         float((np.arange(len(hist)) * hist).sum() / tokens) if tokens else None
                     ),

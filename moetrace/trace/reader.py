@@ -32,6 +32,13 @@ from moetrace.trace.records import (
     RecordDecoder,
 )
 
+# Root attributes written as JSON text (docs/trace-format.md), with their value when absent.
+JSON_ATTRIBUTES = {
+    "engine_settings": "{}",
+    "skipped_inputs": "[]",
+    "resumes": "[]",
+    "merged_from": "[]",
+}
 ITER_ROWS = 65536  # rows read at once when streaming (a few tens of MB for big models)
 ITER_TOKENS = 1 << 22  # token ids read at once (16 MiB)
 
@@ -83,7 +90,9 @@ class Trace:
                 f"({FORMAT_VERSION}); upgrade moetrace: {self.path}"
             )
         self.metadata: dict = {k: plain_value(v) for k, v in f.attrs.items()}
-        self.metadata["engine_settings"] = json.loads(self.metadata.get("engine_settings") or "{}")
+        # Attributes stored as JSON text come back as what they hold.
+        for name, empty in JSON_ATTRIBUTES.items():
+            self.metadata[name] = json.loads(self.metadata.get(name) or empty)
         required = [a.name for a in ARRAYS if a.required]
         missing = [name for name in (*required, REQUESTS) if name not in f]
         if missing:

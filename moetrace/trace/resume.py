@@ -141,7 +141,7 @@ def open_resume_point(path: str | os.PathLike, wanted: dict) -> ResumePoint:
             if rid in prompts:
                 raise MoetraceError(f"cannot resume {path}: request id {rid!r} is in it twice")
             prompts[rid] = prompt_crc(tokens)
-        skipped = json.loads(md.get("skipped_inputs") or "[]")
+        skipped = md["skipped_inputs"]
         return ResumePoint(
             path,
             keep_requests=trace.num_requests,

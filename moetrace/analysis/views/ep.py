@@ -49,7 +49,7 @@ def render(console: Console, r: dict) -> None:
             str(p["layer"]),
             num(p["max_over_mean"]),
             num(p["max_violation"]),
-            str(p["busiest_rank"]),
+            num(p["busiest_rank"], "d"),
             num(p["mean_ranks_per_token"]),
             " ".join(f"{100 * h / total:.0f}%" for h in hist),
         )

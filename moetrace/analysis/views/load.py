@@ -19,7 +19,11 @@ def result(ctx: ViewContext, accumulators: list[LoadCounter]) -> dict:
     out = {
         "layer_load": layer_load(load.counts, ctx.layers),
         "expert_counts": load.counts.tolist(),
-        "expert_shares": np.round(np.nan_to_num(shares(load.counts)), 6).tolist(),
+        # None for a layer without assignments in the selection (its shares are undefined).
+        "expert_shares": [
+            None if np.isnan(row).any() else np.round(row, 6).tolist()
+            for row in shares(load.counts)
+        ],
     }
     if ctx.opts.part == "all":
         out["prompt_vs_output"] = prompt_vs_output(load.prompt, load.output, ctx.layers)
@@ -30,9 +34,11 @@ def render(console: Console, r: dict) -> None:
     part = r["selection"]["part"]
     per = r["layer_load"]
     title = "expert load per MoE layer"
-    if per:
+    if per and per[0]["mean"] is not None:
         title += f" ({per[0]['assignments']:,} assignments, {per[0]['mean']:,.1f} per expert"
         title += ")" if part == "all" else f", {part} tokens)"
+    elif per:
+        title += " (nothing selected)"
     t = table(title)
     cols = ("layer", "min", "max", "max/mean", "MaxVio", "CV", "Gini", "entropy")
     for name in (*cols, "dead"):
@@ -40,14 +46,14 @@ def render(console: Console, r: dict) -> None:
     for row in per:
         t.add_row(
             str(row["layer"]),
-            f"{row['min']:,}",
-            f"{row['max']:,}",
+            num(row["min"], ","),
+            num(row["max"], ","),
             num(row["max_over_mean"]),
             num(row["max_violation"]),
             num(row["cv"]),
             num(row["gini"], ".3f"),
             num(row["normalized_entropy"], ".3f"),
-            str(row["dead_experts"]),
+            num(row["dead_experts"], "d"),
         )
     console.print(t)
     pvo = r.get("prompt_vs_output")
