@@ -71,11 +71,12 @@ def shard_settings(num_shards: int, shard_index: int) -> dict:
     return {"num_shards": num_shards, "shard_index": shard_index}
 
 
-def check_shard_set(settings: list[dict], names: list[str]) -> list[str]:
-    """Notes on a set of shard traces to merge; refuses two of the same shard.
+def check_shard_set(settings: list[dict], names: list[str]) -> list[int]:
+    """The shards of a ``--num-shards`` split that a set of shard traces lacks.
 
     ``settings`` are the shards' ``engine_settings``; traces recorded without
-    ``--num-shards`` carry no shard keys and are not checked.
+    ``--num-shards`` carry no shard keys and are not checked.  Refuses two
+    traces of the same shard, or of different splits.
     """
     sharded = [
         (s.get("num_shards"), s.get("shard_index"), n) for s, n in zip(settings, names, strict=True)
@@ -96,8 +97,4 @@ def check_shard_set(settings: list[dict], names: list[str]) -> list[str]:
             raise MoetraceError(f"{seen[int(index)]} and {name} are both shard {index}")
         seen[int(index)] = name
     total = counts.pop()
-    missing = sorted(set(range(total)) - set(seen))
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        return [f"shard(s) {shown} of {total} not given: the merged trace is partial"]
-    return []
+    return sorted(set(range(total)) - set(seen))

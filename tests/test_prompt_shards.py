@@ -111,7 +111,14 @@ def test_merged_shards_equal_the_single_run(runs, tmp_path):
 def test_merge_notes_a_missing_shard_and_refuses_a_repeated_one(runs, tmp_path):
     _, shards = runs
     result = merge_traces(tmp_path / "partial.h5", shards[:2])
-    assert any("shard(s) 2 of 3 not given" in n for n in result["notes"])
+    assert result["partial"] == ["shard(s) 2 of 3 not given"] and not result["complete"]
+    with open_trace(tmp_path / "partial.h5") as t:  # verify calls it incomplete, not damaged
+        assert not t.complete and t.verify() == []
+        assert t.metadata["end_reason"] == "partial merge: shard(s) 2 of 3 not given"
+    asked = merge_traces(tmp_path / "asked.h5", shards[:2], as_complete=True)
+    assert asked["complete"]
+    with open_trace(tmp_path / "asked.h5") as t:
+        assert t.complete
     with pytest.raises(MoetraceError):  # the same shard twice: same request ids, same shard
         merge_traces(tmp_path / "twice.h5", [shards[0], shards[0]])
     with pytest.raises(MoetraceError, match="both shard 1"):

@@ -17,6 +17,7 @@ from pathlib import Path
 import h5py
 
 from moetrace.errors import MoetraceError
+from moetrace.output_files import check_new_output
 from moetrace.prompt_shards import check_shard_set
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace
@@ -58,8 +59,12 @@ def metadata_of(trace: Trace) -> TraceMetadata:
     )
 
 
-def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> list[str]:
-    """Refuse shards that cannot be one recording; return notes about harmless differences."""
+def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> tuple[list, list]:
+    """Refuse shards that cannot be one recording.
+
+    Returns (notes about harmless differences, reasons the merged trace is
+    partial: shards of the split not given, shards whose recording did not finish).
+    """
     first = shards[0]
     notes = []
     for shard in shards[1:]:
@@ -82,29 +87,35 @@ def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> lis
                 f"model given as {shard.metadata['model']!r} in {shard.path} and "
                 f"{first.metadata['model']!r} in {first.path} (same config digest)"
             )
+    partial = []
     for shard in shards:
-        if not shard.complete and not allow_incomplete:
-            raise MoetraceError(
-                f"{shard.path} is incomplete (its recording did not finish); resume it, or "
-                "merge anyway with --allow-incomplete"
-            )
-    seen: dict[str, Path] = {}
-    for shard in shards:
-        for rid in shard.request_ids:
-            if rid in seen:
+        if not shard.complete:
+            if not allow_incomplete:
                 raise MoetraceError(
-                    f"request id {rid!r} is in both {seen[rid]} and {shard.path}: "
+                    f"{shard.path} is incomplete (its recording did not finish); resume it, or "
+                    "merge anyway with --allow-incomplete"
+                )
+            partial.append(f"{shard.path} is incomplete")
+    seen: dict[tuple[str, int], Path] = {}
+    for shard in shards:
+        for rid, sample in zip(shard.request_ids, shard.sample_indices.tolist(), strict=True):
+            if (rid, sample) in seen:
+                raise MoetraceError(
+                    f"request id {rid!r} is in both {seen[rid, sample]} and {shard.path}: "
                     "shards of one recording hold disjoint requests"
                 )
-            seen[rid] = shard.path
+            seen[rid, sample] = shard.path
     # Shards of a --num-shards run: one of each, from the same split (prompt_shards.py).
-    notes += check_shard_set(
-        [s.metadata.get("engine_settings") or {} for s in shards], [str(s.path) for s in shards]
-    )
+    settings = [s.metadata.get("engine_settings") or {} for s in shards]
+    missing = check_shard_set(settings, [str(s.path) for s in shards])
+    if missing:
+        total = int(settings[0]["num_shards"])
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        partial.append(f"shard(s) {shown} of {total} not given")
     indices = [int(i) for s in shards for i in s.requests["index"]]
     if len(set(indices)) != len(indices):
         notes.append("request index values repeat across shards (each numbered its own input)")
-    return notes
+    return notes, partial
 
 
 def merge_traces(
@@ -113,19 +124,26 @@ def merge_traces(
     *,
     overwrite: bool = False,
     allow_incomplete: bool = False,
+    as_complete: bool = False,
 ) -> dict:
-    """Write ``output`` from ``shard_paths``; returns counts and notes."""
+    """Write ``output`` from ``shard_paths``; returns counts, notes and why it is partial.
+
+    A merge that lacks shards of the split, or holds a shard whose recording
+    did not finish, is closed incomplete (``verify`` says so) unless
+    ``as_complete``: the user says the subset is what they want.
+    """
     if not shard_paths:
         raise MoetraceError("give at least one shard to merge")
     out = Path(output)
     for p in shard_paths:
         if Path(p).exists() and out.exists() and Path(p).resolve() == out.resolve():
             raise MoetraceError(f"the output {out} is also a shard")
+    check_new_output(out, overwrite=overwrite)
     shards = []
     try:
         for p in shard_paths:
             shards.append(open_trace(p))
-        notes = check_shards(shards, allow_incomplete)
+        notes, partial = check_shards(shards, allow_incomplete)
         first = shards[0]
         writer = TraceWriter(
             out,
@@ -135,7 +153,10 @@ def merge_traces(
             overwrite=overwrite,
         )
         provenance, requests, rows = [], 0, 0
-        with writer:
+        complete = not partial or as_complete
+        end_reason = "complete" if not partial else "partial merge: " + "; ".join(partial)
+        writer.start()
+        try:
             for shard in shards:
                 for req in shard:
                     writer.submit(req)  # a TraceRequest is the FinishedRequest it was written from
@@ -151,6 +172,10 @@ def merge_traces(
                 )
                 requests += shard.num_requests
                 rows += shard.num_rows
+        except BaseException:
+            writer.close(complete=False, end_reason="merge failed")
+            raise
+        writer.close(complete=complete, end_reason=end_reason)
     finally:
         for shard in shards:
             shard.close()
@@ -162,4 +187,6 @@ def merge_traces(
         "requests": requests,
         "rows": rows,
         "notes": notes,
+        "partial": partial,
+        "complete": complete,
     }

@@ -15,21 +15,44 @@ def merge_command(
     allow_incomplete: bool = typer.Option(
         False, "--allow-incomplete", help="Merge shards whose recording did not finish."
     ),
+    as_complete: bool = typer.Option(
+        False,
+        "--as-complete",
+        help="Mark OUT complete although shards are missing or incomplete (the subset is "
+        "all you want).",
+    ),
 ) -> None:
     """Combine traces of the same model recorded as shards into OUT.
 
     Shards of different models (config digest), routing shapes, dtypes or
     formats are refused, and so are request ids that appear in two shards.
+    Without every shard of a --num-shards split (or with an incomplete shard)
+    OUT is marked incomplete, as verify reports, unless --as-complete.
     Example: moetrace merge all.h5 shard0.h5 shard1.h5
     """
     from moetrace.analysis.merge import merge_traces
 
-    result = merge_traces(output, shards, overwrite=overwrite, allow_incomplete=allow_incomplete)
+    result = merge_traces(
+        output,
+        shards,
+        overwrite=overwrite,
+        allow_incomplete=allow_incomplete,
+        as_complete=as_complete,
+    )
     console = Console(stderr=True)
     for note in result["notes"]:
         console.print(f"[yellow]note[/yellow] {note}", highlight=False)
+    partial = "; ".join(result["partial"])
+    state = (
+        "complete"
+        if not partial
+        else f"marked complete as asked ({partial})"
+        if result["complete"]
+        else f"marked incomplete: {partial} (--as-complete to mark it complete)"
+    )
     console.print(
         f"[green]wrote[/green] {output}: {result['requests']:,} requests, {result['rows']:,} rows "
-        f"from {result['shards']} shards",
+        f"from {result['shards']} shards, {state}",
         highlight=False,
+        soft_wrap=True,
     )
