@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from moetrace.models.demo import model_dir
 from moetrace.models.fingerprint import weights_digest
 from moetrace.models.loader import config_digest, read_config, resolve_dtype
 from moetrace.models.registry import resolve_architecture
+from moetrace.output_files import check_new_output
 from moetrace.preflight import MemoryAsk, preflight
 from moetrace.prompt_shards import select_shard, shard_settings
 from moetrace.prompts import STDIN, PromptSpec, iter_prompts, line_limit
@@ -209,18 +209,7 @@ class Recording:
         )
 
     def _check_output(self) -> None:
-        out = self.output
-        if out.is_dir():
-            raise MoetraceError(f"cannot write {out}: it is a directory")
-        if out.exists() and not (self.overwrite or self.resume):
-            raise MoetraceError(
-                f"{out} already exists (pass --resume to continue it or --overwrite to replace it)"
-            )
-        parent = out.parent if str(out.parent) else Path(".")
-        if not parent.is_dir():
-            raise MoetraceError(f"cannot write {out}: no such directory {parent}")
-        if not os.access(out if out.exists() else parent, os.W_OK):
-            raise MoetraceError(f"cannot write {out}: permission denied")
+        check_new_output(self.output, overwrite=self.overwrite or self.resume, resume=True)
 
     def _expected_settings(self) -> dict:
         """What this run will record with, known before the weights load (for --resume)."""

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import typer
 
 from moetrace.errors import MoetraceError
+from moetrace.output_files import STDOUT, check_new_output, refuse_binary_terminal, replacing
 from moetrace.trace.reader import open_trace
 
 
 def export_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file."),
-    fmt: str = typer.Option("jsonl", "--format", "-f", help="jsonl (default), npz or npy."),
-    output: Path | None = typer.Option(
-        None, "-o", "--output", help="File to write (jsonl: default standard output)."
+    fmt: str = typer.Option(
+        "jsonl", "--format", "-f", help="jsonl (default), npz, npy or parquet."
+    ),
+    output: str = typer.Option(
+        STDOUT, "-o", "--output", help="File to write; '-' (the default): standard output."
     ),
     request: list[str] = typer.Option(
         [], "--request", "-r", help="Only this request id (repeat; globs work)."
@@ -26,48 +30,79 @@ def export_command(
     dtype: str = typer.Option(
         "stored", "--dtype", help="Expert id dtype: stored (uint8/16/32), int32 or int64."
     ),
+    layout: str = typer.Option(
+        "moe",
+        "--layout",
+        help="moe: one entry per MoE layer; vllm: every hidden layer, dense layers zero "
+        "(vLLM's array).",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
 ) -> None:
-    """Write requests of TRACE as JSON Lines (one request a line), .npz or .npy.
+    """Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
 
-    Each JSON line has id, index, finish_reason, prompt_token_ids,
+    Each JSON line has id, sample_index, index, finish_reason, prompt_token_ids,
     output_token_ids and routed_experts: base64 of the .npy bytes (as vLLM and
     SGLang send it), with shape and dtype.  Decode with
     np.load(io.BytesIO(base64.b64decode(line["routed_experts"]))).
+    Parquet has one row per request (pandas, datasets, Arrow read it).
+    Binary formats go to standard output only when it is not a terminal.
 
     Example: moetrace export t.h5 | head -1 | jq .shape
     """
     from moetrace.analysis.export import (
+        BINARY_FORMATS,
         DTYPES,
+        Layout,
         check_format,
-        selected_requests,
-        write_jsonl,
-        write_npy,
-        write_npz,
     )
     from moetrace.analysis.load import select_positions
 
     if dtype not in DTYPES:
         raise MoetraceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if output is not None and output.exists() and not overwrite:
-        raise MoetraceError(f"{output} exists (use --overwrite to replace it)")
+    check_format(fmt, 1)
+    to_stdout = output == STDOUT
+    if to_stdout:
+        if fmt in BINARY_FORMATS:
+            refuse_binary_terminal(fmt, sys.stdout)
+    else:
+        check_new_output(output, overwrite=overwrite)
     with open_trace(trace_path) as trace:
+        rows_layout = Layout.of(trace, layout)
         positions = select_positions(trace, request, request_range)
-        count = trace.num_requests if positions is None else len(positions)
-        check_format(fmt, output, count)
+        check_format(fmt, trace.num_requests if positions is None else len(positions))
+        if to_stdout:  # a closed pipe (`| head`) ends the command quietly
+            _write(fmt, trace, positions, dtype, rows_layout, None)
+            return
         try:
-            if fmt == "npz":
-                write_npz(trace, positions, output, dtype)
-            elif fmt == "npy":
-                write_npy(next(selected_requests(trace, positions)), output, dtype)
-            elif output is None:  # a closed pipe (`| head`) ends the command quietly
-                write_jsonl(selected_requests(trace, positions), sys.stdout, dtype)
-            else:
-                with open(output, "w", encoding="utf-8") as f:
-                    write_jsonl(selected_requests(trace, positions), f, dtype)
-        except BrokenPipeError:
-            raise
+            with replacing(output) as temporary:
+                _write(fmt, trace, positions, dtype, rows_layout, temporary)
         except OSError as exc:
-            raise MoetraceError(
-                f"cannot write {output or 'output'}: {exc.strerror or exc}"
-            ) from None
+            raise MoetraceError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _write(fmt: str, trace, positions, dtype: str, layout, path: Path | None) -> None:
+    """One format to ``path``, or to standard output when None."""
+    from moetrace.analysis.export import (
+        selected_requests,
+        write_jsonl,
+        write_npy,
+        write_npz,
+        write_parquet,
+    )
+
+    if fmt == "jsonl":
+        if path is None:
+            write_jsonl(selected_requests(trace, positions), sys.stdout, dtype, layout)
+            return
+        with open(path, "w", encoding="utf-8") as f:
+            write_jsonl(selected_requests(trace, positions), f, dtype, layout)
+        return
+    with contextlib.ExitStack() as stack:
+        out = sys.stdout.buffer if path is None else stack.enter_context(open(path, "wb"))
+        if fmt == "npz":
+            write_npz(trace, positions, out, dtype, layout)
+        elif fmt == "npy":
+            write_npy(next(selected_requests(trace, positions)), out, dtype, layout)
+        else:
+            write_parquet(trace, positions, out, dtype, layout)
+        out.flush()
