@@ -84,7 +84,7 @@ def test_every_module_on_the_kernels_and_graphs_replay_eager_steps(weight_format
     graph, engine = run(model, prompts, enforce_eager=False, max_num_seqs=16)
     modules = [m for m in model.modules() if hasattr(m, "use_triton")]
     assert modules and all(m.use_triton for m in modules)
-    assert engine.runner.graphs is not None
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # captured
     assert set(eager) == set(graph)
     for rid in eager:
         np.testing.assert_array_equal(eager[rid].output_token_ids, graph[rid].output_token_ids)
