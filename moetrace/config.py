@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     capture_routing: bool = True
+    capture_weights: str | None = None  # "float16"/"float32": gate weights beside the ids
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0  # KV budget when running on the CPU
     seed: int = 0
@@ -66,6 +67,14 @@ class EngineConfig:
             (
                 0 < self.gpu_memory_utilization <= 1,
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+            ),
+            (
+                self.capture_weights in (None, "float16", "float32"),
+                f"--weights-dtype must be float16 or float32, got {self.capture_weights!r}",
+            ),
+            (
+                self.capture_weights is None or self.capture_routing,
+                "capturing gate weights needs routing capture",
             ),
         ]
         for ok, message in checks:

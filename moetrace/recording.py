@@ -63,6 +63,7 @@ class SamplingDefaults:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: bool = False  # every request returns its output tokens' log-probabilities
 
     def for_prompt(self, spec: PromptSpec) -> SamplingParams:
         values = {
@@ -73,6 +74,7 @@ class SamplingDefaults:
             "seed": self.seed,
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
+            "logprobs": 0 if self.logprobs else None,
         }
         values.update(spec.sampling)
         return SamplingParams(**values)
@@ -343,7 +345,13 @@ class Recording:
     def metadata(self, engine: LLMEngine, architecture: str, digest: str) -> TraceMetadata:
         settings = self._engine_settings(engine.max_model_len, engine.block_manager.num_blocks)
         return model_metadata(
-            self.model_name, engine, architecture, digest, self.tokenizer, settings
+            self.model_name,
+            engine,
+            architecture,
+            digest,
+            self.tokenizer,
+            settings,
+            logprobs=self.sampling.logprobs,
         )
 
     def _writer(self, metadata: TraceMetadata) -> TraceWriter:

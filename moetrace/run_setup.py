@@ -92,8 +92,14 @@ def model_metadata(
     digest: str,
     tokenizer: Tokenizer | None,
     engine_settings: dict,
+    *,
+    logprobs: bool = False,
 ) -> TraceMetadata:
-    """The root attributes of a trace of ``engine``'s model (``record`` and ``serve``)."""
+    """The root attributes of a trace of ``engine``'s model (``record`` and ``serve``).
+
+    Gate weights are written when the engine captures them; ``logprobs``: every
+    request asks for its tokens' log-probabilities, and the trace keeps them.
+    """
     model = engine.model
     return TraceMetadata(
         model=model_name,
@@ -108,6 +114,8 @@ def model_metadata(
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         engine_settings=engine_settings,
         moetrace_version=__version__,
+        weights_dtype=engine.config.capture_weights,
+        logprobs=logprobs,
     )
 
 

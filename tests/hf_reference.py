@@ -28,9 +28,11 @@ __all__ = [
     "build_tiny_model",
     "capture_router_calls",
     "descending_ids",
+    "descending_weights",
     "load_reference_model",
     "make_tiny_checkpoint",
     "reference_greedy",
+    "reference_logprobs",
     "reference_routing",
     "selection_scores",
     "topk_is_sorted",
@@ -399,10 +401,14 @@ class RouterCall:
     inputs: torch.Tensor  # (tokens, hidden)
     logits: torch.Tensor  # (tokens, experts)
     indices: torch.Tensor  # (tokens, top_k), exactly as the router returned them
+    weights: torch.Tensor  # (tokens, top_k): what the experts' outputs are multiplied by
 
 
-def _split_router_output(router: nn.Module, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(router_logits, selected ids) from a router's output tuple, found by dtype and width.
+def _split_router_output(
+    router: nn.Module, output: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router_logits, selected ids, their weights) from a router's output tuple, found by
+    dtype and width.
 
     Not by position: transformers 5.24 routers return ``(logits, weights, ids)``, but e.g.
     GraniteMoeTopKRouter in 5.17 returns ``(ids, weights, logits)``.
@@ -421,7 +427,15 @@ def _split_router_output(router: nn.Module, output: Any) -> tuple[torch.Tensor, 
     ]
     if len(ints) != 1 or len(floats) != 1:  # also refuses top_k == num_experts (ambiguous)
         raise RuntimeError(f"cannot find logits and ids in {type(router).__name__} output")
-    return floats[0], ints[0]
+    top_k = ints[0].shape[-1]
+    weights = [
+        t
+        for t in output
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape[-1] == top_k
+    ]
+    if len(weights) != 1:
+        raise RuntimeError(f"cannot find the weights in {type(router).__name__} output")
+    return floats[0], ints[0], weights[0]
 
 
 @contextmanager
@@ -431,7 +445,7 @@ def _hooked(model: nn.Module) -> Iterator[list[RouterCall]]:
 
     def make_hook(layer_idx: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            logits, indices = _split_router_output(module, output)
+            logits, indices, weights = _split_router_output(module, output)
             hidden = args[0].reshape(-1, args[0].shape[-1])
             calls.append(
                 RouterCall(
@@ -441,6 +455,7 @@ def _hooked(model: nn.Module) -> Iterator[list[RouterCall]]:
                     inputs=hidden.detach().clone(),
                     logits=logits.detach().reshape(hidden.shape[0], -1).clone(),
                     indices=indices.detach().reshape(hidden.shape[0], -1).clone(),
+                    weights=weights.detach().reshape(hidden.shape[0], -1).clone(),
                 )
             )
 
@@ -473,11 +488,19 @@ def topk_is_sorted(family: str) -> bool:
     return _family(family).topk_sorted
 
 
+def _descending_order(call: RouterCall) -> torch.Tensor:
+    scores = selection_scores(call).gather(1, call.indices)
+    return torch.sort(scores, dim=1, descending=True, stable=True).indices
+
+
 def descending_ids(call: RouterCall) -> torch.Tensor:
     """The call's ids reordered by descending selection score (stable: ties keep router order)."""
-    scores = selection_scores(call).gather(1, call.indices)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    return call.indices.gather(1, order)
+    return call.indices.gather(1, _descending_order(call))
+
+
+def descending_weights(call: RouterCall) -> torch.Tensor:
+    """The call's weights in the order of ``descending_ids`` (each stays with its id)."""
+    return call.weights.gather(1, _descending_order(call))
 
 
 def reference_routing(
@@ -485,7 +508,8 @@ def reference_routing(
 ) -> dict[str, Any]:
     """Top-k expert ids transformers' routers choose for ``token_ids``.
 
-    Returns ``{"moe_layer_indices": [...], "topk_ids": int64 array (tokens, moe_layers, top_k)}``;
+    Returns ``{"moe_layer_indices": [...], "topk_ids": int64 array (tokens, moe_layers, top_k),
+    "topk_weights": the routers' weights of those ids, float64, same shape and order}``;
     ids are in descending router-score order (the order ``torch.topk(sorted=True)`` returns).
     DeepSeek V2/V3 call ``torch.topk(..., sorted=False)``, so their hooked ids are re-sorted by
     the score they were selected on (V3: ``sigmoid(logits) + e_score_correction_bias``).
@@ -500,7 +524,25 @@ def reference_routing(
         )
     per_layer = [descending_ids(c).cpu().numpy() for c in calls]
     topk_ids = np.stack(per_layer, axis=1).astype(np.int64)
-    return {"moe_layer_indices": moe_layers, "topk_ids": topk_ids}
+    weights = [descending_weights(c).double().cpu().numpy() for c in calls]
+    return {
+        "moe_layer_indices": moe_layers,
+        "topk_ids": topk_ids,
+        "topk_weights": np.stack(weights, axis=1),
+    }
+
+
+@torch.no_grad()
+def reference_logprobs(
+    checkpoint_dir: Path, token_ids: list[int], *, dtype: torch.dtype = torch.float32
+) -> np.ndarray:
+    """float64 ``(len(token_ids) - 1,)``: log-probability of token ``i + 1`` given tokens 0..i,
+    from one full forward of transformers' model (log-softmax of its logits in float64)."""
+    model = load_reference_model(checkpoint_dir, dtype=dtype)
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+    logits = model(input_ids=input_ids, use_cache=False).logits[0, :-1].double()
+    targets = input_ids[0, 1:, None]
+    return logits.log_softmax(dim=-1).gather(1, targets)[:, 0].cpu().numpy()
 
 
 @torch.no_grad()

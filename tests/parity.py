@@ -31,7 +31,8 @@ def record(
 ) -> dict:
     """float32 run of every prompt: the model, finished requests by id, and the engine."""
     loaded = load_model(str(checkpoint), device=device, dtype="float32")
-    config = EngineConfig(**{"num_kv_blocks": 128, "block_size": 4, **engine})
+    defaults = {"num_kv_blocks": 128, "block_size": 4, "capture_weights": "float32"}
+    config = EngineConfig(**{**defaults, **engine})
     eng = LLMEngine(loaded.model, config, device)
     for i, (rid, ids) in enumerate(prompts.items()):
         eng.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), index=i)
@@ -92,6 +93,29 @@ def assert_parity(
         assert mismatch.size == 0, (
             f"{rid}: first mismatch (token, layer, rank) {mismatch[0].tolist()}"
         )
+        assert_weights_match(finished.routed_weights, ref["topk_weights"], rid)
+
+
+# How far a recorded gate weight may be from transformers' router output, by stored dtype.
+# float32: both compute the weights in float32 with the same ops, but from hidden states
+# that reach the router through different code (attention, norms), some float32 ulps
+# apart by then, which the softmax carries into the weights: over every family and shape
+# here, at most 7.4e-6 relative; 5e-5 leaves room without hiding a wrong formula (a missed
+# renormalisation or scaling factor is off by far more).
+# float16: that, plus the one rounding to float16 (half an ulp: 2**-11 relative, and
+# 2**-25 absolute among float16's subnormals, below 2**-14).
+WEIGHT_TOLERANCE = {
+    "float32": dict(rtol=5e-5, atol=1e-6),
+    "float16": dict(rtol=2**-11 + 5e-5, atol=2**-25 + 1e-6),
+}
+
+
+def assert_weights_match(got: np.ndarray | None, want: np.ndarray, rid: str) -> None:
+    assert got is not None, f"{rid}: no gate weights recorded"
+    assert got.shape == want.shape, f"{rid}: weights {got.shape} vs {want.shape}"
+    np.testing.assert_allclose(
+        got.astype(np.float64), want, **WEIGHT_TOLERANCE[got.dtype.name], err_msg=rid
+    )
 
 
 def prompts(seed: int, *, short: bool = True, long: int = 23) -> dict[str, list[int]]:

@@ -88,13 +88,17 @@ def test_allocation_fails_cleanly_when_blocks_run_out():
 
 
 def _store(
-    manager: RoutedExpertsManager, bm: BlockManager, request: Request, rows: np.ndarray
+    manager: RoutedExpertsManager,
+    bm: BlockManager,
+    request: Request,
+    rows: np.ndarray,
+    weights: np.ndarray | None = None,
 ) -> None:
     positions = np.arange(rows.shape[0])
     table = np.asarray(request.block_table)
     slots = table[positions // 4] * 4 + positions % 4
     epochs = bm.epochs[slots // 4]
-    manager.store_batch(RoutedExpertsLists(rows, slots, epochs, lambda: None))
+    manager.store_batch(RoutedExpertsLists(rows, slots, epochs, lambda: None, weights=weights))
 
 
 def test_stale_rows_of_a_previous_owner_are_never_returned():
@@ -115,22 +119,35 @@ def test_stale_rows_of_a_previous_owner_are_never_returned():
         cache.take(b, 7)
     _store(manager, bm, b, np.full((8, 2, 2), 3, dtype=np.int32))
     cache.capture(b)
-    assert (cache.take(b, 7) == 3).all()
+    assert (cache.take(b, 7).ids == 3).all()
 
 
-def test_snapshot_rows_win_over_recomputed_ones():
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_snapshot_rows_win_over_recomputed_ones(with_weights):
     bm = BlockManager(4, 4, enable_prefix_caching=False)
-    manager = RoutedExpertsManager(16, 1, 1, np.dtype(np.uint8), 4, bm.epochs)
+    weights_dtype = np.dtype(np.float16) if with_weights else None
+    manager = RoutedExpertsManager(16, 1, 1, np.dtype(np.uint8), 4, bm.epochs, weights_dtype)
     cache = RoutedExpertsCache(manager)
     r = make_request("r", list(range(6)))
     bm.allocate(r, 6)
-    _store(manager, bm, r, np.arange(6, dtype=np.int32).reshape(6, 1, 1))
+
+    def weights(ids: np.ndarray) -> np.ndarray | None:
+        return (ids / 1000).astype(np.float16) if with_weights else None
+
+    first = np.arange(6, dtype=np.int32).reshape(6, 1, 1)
+    _store(manager, bm, r, first, weights(first))
     r.num_computed_tokens = 6
     cache.capture(r)  # preemption
     bm.free(r)
     r.num_computed_tokens = 0
     bm.allocate(r, 8)
-    _store(manager, bm, r, (np.arange(8, dtype=np.int32) + 100).reshape(8, 1, 1))
+    again = (np.arange(8, dtype=np.int32) + 100).reshape(8, 1, 1)
+    _store(manager, bm, r, again, weights(again))
     r.num_computed_tokens = 8
     cache.capture(r)
-    np.testing.assert_array_equal(cache.take(r, 8).ravel(), [0, 1, 2, 3, 4, 5, 106, 107])
+    rows = cache.take(r, 8)
+    np.testing.assert_array_equal(rows.ids.ravel(), [0, 1, 2, 3, 4, 5, 106, 107])
+    if with_weights:  # each weight stays with the id it was captured with
+        np.testing.assert_array_equal(rows.weights, weights(rows.ids.astype(np.int32)))
+    else:
+        assert rows.weights is None

@@ -1,7 +1,7 @@
 """Routing rows must not depend on how the engine batched, cached or preempted.
 
 float64 makes ties and batch-order rounding differences impossible, so every
-setting must give bit-identical rows and tokens per request.
+setting must give bit-identical rows, gate weights and tokens per request.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ def prompts():
 @pytest.fixture(scope="module")
 def baseline(model, prompts):
     done, engine = run_requests(
-        model, prompts, enable_prefix_caching=False, max_num_seqs=1, max_num_batched_tokens=512
+        model,
+        prompts,
+        enable_prefix_caching=False,
+        max_num_seqs=1,
+        max_num_batched_tokens=512,
+        capture_weights="float32",
     )
     engine.block_manager.check_no_leaks()
     return done
@@ -47,7 +52,7 @@ SETTINGS = {
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_rows_and_tokens_identical_across_engine_settings(model, prompts, baseline, name):
-    done, engine = run_requests(model, prompts, **SETTINGS[name])
+    done, engine = run_requests(model, prompts, capture_weights="float32", **SETTINGS[name])
     engine.block_manager.check_no_leaks()
     assert set(done) == set(prompts)
     assert engine.stats.output_tokens == sum(f.output_len for f in done.values())
@@ -55,6 +60,8 @@ def test_rows_and_tokens_identical_across_engine_settings(model, prompts, baseli
         got = done[rid]
         np.testing.assert_array_equal(got.output_token_ids, ref.output_token_ids, err_msg=rid)
         np.testing.assert_array_equal(got.routed_experts, ref.routed_experts, err_msg=rid)
+        np.testing.assert_array_equal(got.routed_weights, ref.routed_weights, err_msg=rid)
+        assert got.routed_weights.dtype == np.float32 and got.routed_weights.min() > 0
         assert got.num_rows == got.prompt_len + got.output_len - 1
 
 

@@ -62,17 +62,26 @@ def _rank(rank: int, world: int, rendezvous: str) -> None:
             assert torch.equal(rows, full[:, 1].to(torch.int32))
 
             # The capturer, as the MoE layers call it: the block hook has set the token count.
-            inner = RoutingCapturer(MAX_TOKENS, LAYERS, TOP_K, torch.device("cpu"))
-            inner.buffer.fill_(UNTOUCHED)
-            capturer = SequenceParallelCapturer(inner, comm, context)
-            context.num_tokens = num_tokens
-            for layer in range(LAYERS):
-                capturer.record(layer, local[:, layer])
-            assert capturer.buffer is inner.buffer
-            assert inner.buffer.dtype == torch.int32
-            assert torch.equal(inner.tensors(num_tokens).routing, full.to(torch.int32)), num_tokens
-            assert (inner.buffer[num_tokens:] == UNTOUCHED).all()
-            assert not (inner.buffer == PAD).any()
+            # Gate weights (here the ids / 1000) are gathered the same way.
+            for weights_dtype in (None, torch.float16):
+                inner = RoutingCapturer(
+                    MAX_TOKENS, LAYERS, TOP_K, torch.device("cpu"), weights_dtype=weights_dtype
+                )
+                inner.buffer.fill_(UNTOUCHED)
+                capturer = SequenceParallelCapturer(inner, comm, context)
+                context.num_tokens = num_tokens
+                for layer in range(LAYERS):
+                    capturer.record(layer, local[:, layer], local[:, layer] / 1000)
+                assert capturer.buffer is inner.buffer
+                assert inner.buffer.dtype == torch.int32
+                got = inner.tensors(num_tokens)
+                assert torch.equal(got.routing, full.to(torch.int32)), num_tokens
+                assert (inner.buffer[num_tokens:] == UNTOUCHED).all()
+                assert not (inner.buffer == PAD).any()
+                if weights_dtype is None:
+                    assert got.weights is None
+                else:
+                    assert torch.equal(got.weights, (full / 1000).to(weights_dtype)), num_tokens
     finally:
         leave_group()
 

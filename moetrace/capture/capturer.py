@@ -9,6 +9,11 @@ stores rows without converting them.  Where the fused-MoE kernel serves a
 layer, that kernel writes the ids itself (``in_kernel``): the ids it reads to
 group tokens by expert go to ``destination()`` in the same launch, instead of
 one extra copy kernel per layer per step.
+
+Gate weights (``record --record-weights``) get a second buffer of the same
+shape in the stored weight dtype, written the same way (by the same kernel
+launch where the kernel serves); without them nothing is allocated, copied
+or launched for weights.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ import torch
 
 from moetrace.capture.types import RoutedExpertsTensors
 from moetrace.trace.metadata import expert_id_dtype
+
+
+def weights_capture_dtype(name: str | None) -> torch.dtype | None:
+    """The device dtype the gate weights are captured in: the trace's own ("float16"/"float32")."""
+    return None if name is None else {"float16": torch.float16, "float32": torch.float32}[name]
 
 
 def capture_dtype(num_experts: int) -> torch.dtype:
@@ -35,22 +45,39 @@ class RoutingCapturer:
         top_k: int,
         device: torch.device,
         dtype: torch.dtype = torch.int32,
+        weights_dtype: torch.dtype | None = None,
     ) -> None:
-        self.buffer = torch.zeros(
-            (max_num_tokens, num_moe_layers, top_k), dtype=dtype, device=device
+        shape = (max_num_tokens, num_moe_layers, top_k)
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.weights = (
+            None
+            if weights_dtype is None
+            else torch.zeros(shape, dtype=weights_dtype, device=device)
         )
 
     @property
     def num_moe_layers(self) -> int:
         return self.buffer.shape[1]
 
-    def record(self, moe_layer: int, topk_ids: torch.Tensor) -> None:
-        """Store one layer's selection for the step's tokens (rows in token order)."""
-        self.buffer[: topk_ids.shape[0], moe_layer].copy_(topk_ids)
+    def record(self, moe_layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Store one layer's selection for the step's tokens (rows in token order).
+
+        ``topk_weights`` is what the experts' outputs are multiplied by, in the
+        ids' order; kept only when the capturer has a weights buffer.
+        """
+        n = topk_ids.shape[0]
+        self.buffer[:n, moe_layer].copy_(topk_ids)
+        if self.weights is not None:
+            self.weights[:n, moe_layer].copy_(topk_weights)
 
     def destination(self, moe_layer: int, num_tokens: int) -> torch.Tensor:
         """Where a kernel writes one layer's ``[num_tokens, top_k]`` ids."""
         return self.buffer[:num_tokens, moe_layer]
 
+    def weights_destination(self, moe_layer: int, num_tokens: int) -> torch.Tensor | None:
+        """Where a kernel writes one layer's ``[num_tokens, top_k]`` weights (None: not kept)."""
+        return None if self.weights is None else self.weights[:num_tokens, moe_layer]
+
     def tensors(self, num_tokens: int) -> RoutedExpertsTensors:
-        return RoutedExpertsTensors(self.buffer[:num_tokens], num_tokens)
+        weights = None if self.weights is None else self.weights[:num_tokens]
+        return RoutedExpertsTensors(self.buffer[:num_tokens], num_tokens, weights)

@@ -17,6 +17,7 @@ import torch
 class RoutedExpertsTensors(NamedTuple):
     routing: torch.Tensor  # [num_tokens, num_moe_layers, top_k] in the capture dtype, router order
     num_tokens: int
+    weights: torch.Tensor | None = None  # [num_tokens, num_moe_layers, top_k], ids' order
 
 
 class RoutedExpertsLists(NamedTuple):
@@ -25,3 +26,4 @@ class RoutedExpertsLists(NamedTuple):
     slot_epochs: np.ndarray  # int64 [num_tokens]: epoch of the slot's block when scheduled
     wait: Callable[[], None]  # blocks until ``routing`` holds the step's rows
     release: Callable[[], None] = lambda: None  # the rows were stored: their buffer may be reused
+    weights: np.ndarray | None = None  # [num_tokens, num_moe_layers, top_k], when captured

@@ -6,6 +6,8 @@ commands, so the flags, defaults and help texts cannot drift apart.
 
 from __future__ import annotations
 
+import enum
+
 import typer
 
 from moetrace.config import EngineConfig
@@ -80,6 +82,26 @@ SEQUENCE_PARALLEL_MOE = typer.Option(
     "--sequence-parallel-moe",
     help="With tensor parallelism: each rank routes a slice of the tokens; capture gathers.",
 )
+RECORD_WEIGHTS = typer.Option(
+    False,
+    "--record-weights",
+    help="Also capture each chosen expert's gate weight (what the model multiplies its output "
+    "by), beside the ids.",
+)
+
+
+class WeightsDtype(str, enum.Enum):
+    """How gate weights are stored (trace-format.md, ``routed_weights``)."""
+
+    float16 = "float16"
+    float32 = "float32"
+
+
+WEIGHTS_DTYPE = typer.Option(
+    WeightsDtype.float16,
+    "--weights-dtype",
+    help="How gate weights are kept (with --record-weights).",
+)
 FLUSH_INTERVAL = typer.Option(
     5.0, "--flush-interval", help="Seconds between flushes: the most a crash can lose."
 )
@@ -98,6 +120,7 @@ def engine_config(
     seed: int,
     enforce_eager: bool,
     max_cudagraph_capture_size: int,
+    capture_weights: str | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         block_size=block_size,
@@ -110,4 +133,5 @@ def engine_config(
         seed=seed,
         enforce_eager=enforce_eager,
         max_cudagraph_capture_size=max_cudagraph_capture_size,
+        capture_weights=capture_weights,
     )

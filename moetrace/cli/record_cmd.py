@@ -36,6 +36,13 @@ def record_command(
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Generate max_tokens even past EOS."
     ),
+    logprobs: bool = typer.Option(
+        False,
+        "--logprobs",
+        help="Also store each output token's log-probability under the model (vLLM's logprobs).",
+    ),
+    record_weights: bool = opts.RECORD_WEIGHTS,
+    weights_dtype: opts.WeightsDtype = opts.WEIGHTS_DTYPE,
     dtype: str = opts.DTYPE,
     device: str = opts.DEVICE,
     load_format: str = opts.LOAD_FORMAT,
@@ -123,6 +130,7 @@ def record_command(
         # Graphs with collectives inside have not run on two GPUs yet (docs/distributed.md).
         enforce_eager=enforce_eager or parallel.enabled,
         max_cudagraph_capture_size=max_cudagraph_capture_size,
+        capture_weights=weights_dtype.value if record_weights else None,
     )
     sampling = SamplingDefaults(
         max_tokens=max_tokens,
@@ -130,6 +138,7 @@ def record_command(
         top_p=top_p,
         top_k=top_k,
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
     )
     _check_sampling(sampling, seed)
     console = Console(stderr=True)

@@ -5,9 +5,10 @@ rows ``[r*c, (r+1)*c)`` with ``c = ceil(T / N)``, the input padded with zero
 rows to ``N * c``.  So the last ranks may own padding only (5 tokens over 2
 ranks: 3 + 2 and one pad row; 1 token over 2: rank 1 owns nothing real).
 
-The capturer all-gathers every rank's ids (int32) into a static scratch
-buffer, rank after rank, and copies the first ``T`` rows -- the padding rows
-dropped -- into the capture buffer, so every rank ends with the full step's
+The capturer all-gathers every rank's ids (int32), and gate weights (float32)
+when they are captured, into static scratch buffers, rank after rank, and
+copies the first ``T`` rows -- the padding rows dropped -- into the capture
+buffers, so every rank ends with the full step's
 rows in token order.  ``T`` comes from the MoE block's hook, never guessed
 from shapes: with one token the local chunk looks like a whole step (the bug
 vllm-ascend#15451 describes).  All ranks run the same ops on the same shapes,
@@ -71,15 +72,26 @@ class SequenceParallelCapturer(RoutingCapturer):
     def __init__(
         self, inner: RoutingCapturer, comm: Collectives, context: SequenceParallelContext
     ) -> None:
-        # No super().__init__: the buffer is the wrapped capturer's, not a new one.
+        # No super().__init__: the buffers are the wrapped capturer's, not new ones.
         self.buffer = inner.buffer
+        self.weights = inner.weights
         self.comm = comm
         self.context = context
         max_tokens, _, top_k = self.buffer.shape
         rows = comm.size * chunk_size(max_tokens, comm.size)
-        self._gathered = torch.empty((rows, top_k), dtype=torch.int32, device=self.buffer.device)
+        device = self.buffer.device
+        self._gathered = torch.empty((rows, top_k), dtype=torch.int32, device=device)
+        self._gathered_weights = (
+            None
+            if self.weights is None
+            else torch.empty((rows, top_k), dtype=torch.float32, device=device)
+        )
 
-    def record(self, moe_layer: int, topk_ids: torch.Tensor) -> None:
+    def record(self, moe_layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         n = self.context.num_tokens
         rows = gather_token_rows(topk_ids.to(torch.int32), n, self.comm, self._gathered)
         self.buffer[:n, moe_layer].copy_(rows)
+        if self.weights is not None:
+            local = topk_weights.to(torch.float32)
+            weights = gather_token_rows(local, n, self.comm, self._gathered_weights)
+            self.weights[:n, moe_layer].copy_(weights)

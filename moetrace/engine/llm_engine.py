@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moetrace.capture.manager import RoutedExpertsCache, RoutedExpertsManager
+from moetrace.capture.manager import RoutedExpertsCache, RoutedExpertsManager, RoutingRows
 from moetrace.config import EngineConfig
 from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
@@ -149,6 +149,7 @@ class LLMEngine:
                 expert_id_dtype(model.num_experts),
                 config.block_size,
                 self.block_manager.epochs,
+                None if config.capture_weights is None else np.dtype(config.capture_weights),
             )
             self.routing_cache = RoutedExpertsCache(self.routing_manager)
         self.scheduler = Scheduler(
@@ -311,11 +312,14 @@ class LLMEngine:
                 del self._samples[request.parent_id]
         L, k = len(self.model.moe_layer_indices), self.model.top_k
         if self.routing_cache is None:
-            rows = np.zeros((0, L, k), dtype=expert_id_dtype(self.model.num_experts))
+            rows = RoutingRows(
+                np.zeros((0, L, k), dtype=expert_id_dtype(self.model.num_experts)), None
+            )
         elif request.status is RequestStatus.FINISHED_ABORTED:
             rows = self.routing_cache.take(request)
         else:
             rows = self.routing_cache.take(request, request.num_tokens - 1)
+        logprobs = _output_logprobs(request)
         return FinishedRequest(
             request_id=request.parent_id,
             index=request.index,
@@ -323,14 +327,16 @@ class LLMEngine:
                 request.token_ids[: request.num_prompt_tokens], dtype=np.int32
             ),
             output_token_ids=np.asarray(request.output_token_ids, dtype=np.int32),
-            routed_experts=rows,
+            routed_experts=rows.ids,
+            routed_weights=rows.weights,
             finish_reason=request.status.value,
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_preemptions=request.num_preemptions,
             sample_index=request.sample_index,
             stop_reason=request.stop_reason,
             output_text=request.output_text,
-            logprobs=_output_logprobs(request),
+            logprobs=logprobs,
+            output_logprobs=None if logprobs is None else logprobs.token_logprob,
         )
 
     def run(self) -> Iterator[FinishedRequest]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moetrace.capture.capturer import RoutingCapturer, capture_dtype
+from moetrace.capture.capturer import RoutingCapturer, capture_dtype, weights_capture_dtype
 from moetrace.capture.transfer import RoutingTransfer
 from moetrace.capture.types import RoutedExpertsLists
 from moetrace.config import EngineConfig
@@ -111,8 +111,9 @@ class ModelRunner:
         self.transfer: RoutingTransfer | None = None
         if config.capture_routing:
             dtype = capture_dtype(model.num_experts)
+            weights_dtype = weights_capture_dtype(config.capture_weights)
             self.capturer = RoutingCapturer(
-                config.max_num_batched_tokens, num_moe, model.top_k, device, dtype
+                config.max_num_batched_tokens, num_moe, model.top_k, device, dtype, weights_dtype
             )
             # Tensor parallel experts may see other ids than the router's: copy those.
             self.capturer.in_kernel = self.use_kernels and self.parallel is None
@@ -123,6 +124,7 @@ class ModelRunner:
                 device,
                 ring_size=config.capture_ring_size,
                 dtype=dtype,
+                weights_dtype=weights_dtype,
             )
         if self.parallel is not None:
             self.capturer = wrap_capturer(self.capturer, self.parallel)

@@ -109,16 +109,20 @@ def _align_plan_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_pairs", "stride_capture"])
+@triton.jit(do_not_specialize=["num_pairs", "stride_capture", "stride_capture_weights"])
 def _align_scatter_kernel(
     ids_ptr,
     cursor_ptr,
     sorted_pair_ids_ptr,
     capture_ptr,
+    weights_ptr,
+    capture_weights_ptr,
     num_pairs,
     stride_capture,
+    stride_capture_weights,
     TOP_K: tl.constexpr,
     CAPTURE: tl.constexpr,
+    CAPTURE_WEIGHTS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Each pair takes the next free row of its expert's group (atomic cursor).
@@ -127,16 +131,22 @@ def _align_scatter_kernel(
     row independently and write it back by pair index, so results are
     bit-identical whatever the order.  With ``CAPTURE`` the ids it reads anyway
     also go to the routing capture buffer (``[T, k]`` rows ``stride_capture``
-    apart, in its dtype), which saves the capture a launch per MoE layer.
+    apart, in its dtype), which saves the capture a launch per MoE layer; with
+    ``CAPTURE_WEIGHTS`` the pairs' gate weights go to theirs the same way.
     """
     idx = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = idx < num_pairs
     e = tl.load(ids_ptr + idx, mask=ok, other=0)
     row = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=ok)
     tl.store(sorted_pair_ids_ptr + row, idx.to(tl.int32), mask=ok)
+    token = (idx // TOP_K).to(tl.int64)
     if CAPTURE:
-        dst = capture_ptr + (idx // TOP_K).to(tl.int64) * stride_capture + idx % TOP_K
+        dst = capture_ptr + token * stride_capture + idx % TOP_K
         tl.store(dst, e.to(capture_ptr.dtype.element_ty), mask=ok)
+    if CAPTURE_WEIGHTS:
+        w = tl.load(weights_ptr + idx, mask=ok, other=0.0)
+        dst = capture_weights_ptr + token * stride_capture_weights + idx % TOP_K
+        tl.store(dst, w.to(capture_weights_ptr.dtype.element_ty), mask=ok)
 
 
 def align_routing(
@@ -144,6 +154,9 @@ def align_routing(
     num_experts: int,
     block_m: int,
     capture: torch.Tensor | None = None,
+    *,
+    topk_weights: torch.Tensor | None = None,
+    capture_weights: torch.Tensor | None = None,
 ) -> AlignedRouting:
     """Group the (token, expert) pairs by expert into ``block_m``-padded groups.
 
@@ -153,11 +166,17 @@ def align_routing(
     T=8192 x top-8, where the single counting program dominates (the part to
     parallelise if prefill ever needs it).  Sizes depend on T, k, E and
     block_m alone, so it is CUDA-graph safe.  ``capture``, a ``[T, k]`` view
-    with unit column stride, also receives the ids (see the scatter kernel).
+    with unit column stride, also receives the ids (see the scatter kernel);
+    ``capture_weights``, likewise, receives ``topk_weights``.
     """
     ids = topk_ids.contiguous()
-    if capture is not None and (capture.shape != ids.shape or capture.stride(1) != 1):
-        raise ValueError(f"capture view {tuple(capture.shape)} does not fit ids {tuple(ids.shape)}")
+    for view, what in ((capture, "capture"), (capture_weights, "weights capture")):
+        if view is not None and (view.shape != ids.shape or view.stride(1) != 1):
+            raise ValueError(f"{what} view {tuple(view.shape)} does not fit ids {tuple(ids.shape)}")
+    if capture_weights is not None:
+        if topk_weights is None or topk_weights.shape != ids.shape:
+            raise ValueError("a weights capture needs the [T, k] weights")
+        topk_weights = topk_weights.contiguous()
     num_pairs = ids.numel()
     rows = padded_rows_bound(num_pairs, num_experts, block_m)
     num_blocks = rows // block_m
@@ -189,10 +208,14 @@ def align_routing(
         cursor,
         sorted_pair_ids,
         sorted_pair_ids if capture is None else capture,
+        sorted_pair_ids if capture_weights is None else topk_weights,
+        sorted_pair_ids if capture_weights is None else capture_weights,
         num_pairs,
         0 if capture is None else capture.stride(0),
+        0 if capture_weights is None else capture_weights.stride(0),
         TOP_K=ids.shape[-1] if ids.dim() == 2 else 1,
         CAPTURE=capture is not None,
+        CAPTURE_WEIGHTS=capture_weights is not None,
         CHUNK=chunk,
         num_warps=4,
     )
@@ -544,15 +567,26 @@ def fused_moe(
     activation: str = "silu",
     capture: torch.Tensor | None = None,
     extras: ExpertExtras | None = None,
+    capture_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output ``[T, H]`` through two Triton grouped GEMMs (see module doc).
 
-    ``capture``: a ``[T, k]`` view of the routing capture buffer the ids are also written to.
+    ``capture`` (``capture_weights``): a ``[T, k]`` view of the routing capture
+    buffer the ids (the weights) are also written to.
     """
     num_tokens, top_k = topk_ids.shape
     cfg = moe_config(num_tokens, top_k, w13.shape[0])
     return fused_moe_with_config(
-        hidden, w13, w2, topk_weights, topk_ids, cfg, activation, capture=capture, extras=extras
+        hidden,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        cfg,
+        activation,
+        capture=capture,
+        capture_weights=capture_weights,
+        extras=extras,
     )
 
 
@@ -577,6 +611,7 @@ def fused_moe_with_config(
     capture: torch.Tensor | None = None,
     extras: ExpertExtras | None = None,
     mxfp4_native: bool | None = None,
+    capture_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with an explicit tile config (benchmarks sweep these).
 
@@ -611,7 +646,8 @@ def fused_moe_with_config(
         try:
             return fused_moe_with_config(
                 hidden, w13, w2, topk_weights, topk_ids, cfg, activation,
-                capture=capture, extras=extras, mxfp4_native=True,
+                capture=capture, capture_weights=capture_weights, extras=extras,
+                mxfp4_native=True,
             )  # fmt: skip
         except Exception as exc:  # a compile failure: Triton raises several types
             if torch.cuda.is_current_stream_capturing():
@@ -625,7 +661,14 @@ def fused_moe_with_config(
     native = bool(mxfp4 and mxfp4_native)
     a_format = "bf16" if hidden.dtype == torch.bfloat16 else "fp16"
 
-    routing = align_routing(topk_ids, num_experts, cfg.block_m, capture)
+    routing = align_routing(
+        topk_ids,
+        num_experts,
+        cfg.block_m,
+        capture,
+        topk_weights=topk_weights,
+        capture_weights=capture_weights,
+    )
     rows = routing.sorted_pair_ids.shape[0]
     num_m_blocks = rows // cfg.block_m
     h = hidden.new_empty((rows, inter))
@@ -796,10 +839,12 @@ def moe_forward(
     activation: str = "silu",
     capture: torch.Tensor | None = None,
     extras: ExpertExtras | None = None,
+    capture_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output with the faster measured implementation for this T.
 
-    ``capture`` (a ``[T, k]`` view of the routing capture buffer) receives the ids.
+    ``capture`` (a ``[T, k]`` view of the routing capture buffer) receives the
+    ids, ``capture_weights`` (likewise) the weights.
 
     benchmarks/kernels.py on one H200 (bf16, random top-8 routing), Triton vs
     ``grouped_mm``, median us; "graph" = CUDA-graph replay as in decode:
@@ -820,6 +865,8 @@ def moe_forward(
     if use_grouped and hidden.dtype == torch.bfloat16 and grouped_mm_available():
         if capture is not None:
             capture.copy_(topk_ids)
+        if capture_weights is not None:
+            capture_weights.copy_(topk_weights)
         return moe_grouped_mm(hidden, w13, w2, topk_weights, topk_ids, activation=activation)
     return fused_moe(
         hidden,
@@ -830,4 +877,5 @@ def moe_forward(
         activation=activation,
         capture=capture,
         extras=extras,
+        capture_weights=capture_weights,
     )

@@ -7,6 +7,8 @@ picks them; the ids are what the trace records.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,6 +96,15 @@ def sigmoid_group_topk(
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
+class _PendingCapture(NamedTuple):
+    """What a layer's router recorded for the fused kernel to write during the experts' call."""
+
+    ids: torch.Tensor
+    destination: torch.Tensor
+    weights: torch.Tensor
+    weights_destination: torch.Tensor | None
+
+
 def clamped_swiglu(
     gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float
 ) -> torch.Tensor:
@@ -176,26 +187,37 @@ class MoEExperts(nn.Module):
             self.register_parameter("b2", None)
         self.kernel_capable = activation in KERNEL_ACTIVATIONS
         self.use_triton = False
-        self._capture: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._capture: _PendingCapture | None = None
 
-    def capture_with(self, ids: torch.Tensor, destination: torch.Tensor) -> None:
-        """The block's router chose ``ids``: the next forward writes them to ``destination``."""
+    def capture_with(
+        self,
+        ids: torch.Tensor,
+        destination: torch.Tensor,
+        weights: torch.Tensor,
+        weights_destination: torch.Tensor | None = None,
+    ) -> None:
+        """The block's router chose ``ids`` (and ``weights``): the next forward writes them
+        to ``destination`` (and ``weights_destination``, when weights are captured)."""
         if self._capture is not None:
             raise RuntimeError("routing capture: a layer's ids never reached its experts")
-        self._capture = (ids, destination)
+        self._capture = _PendingCapture(ids, destination, weights, weights_destination)
 
-    def _take_capture(self, ids: torch.Tensor) -> torch.Tensor | None:
-        if self._capture is None:
-            return None
-        recorded, destination = self._capture
-        self._capture = None
-        # Only the very tensor the router recorded may be written in its place.
-        if recorded is not ids:
-            raise RuntimeError("routing capture: the experts got other ids than the router chose")
-        return destination
+    def _take_capture(
+        self, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(ids destination, weights destination) for this call; None where nothing is captured."""
+        pending, self._capture = self._capture, None
+        if pending is None:
+            return None, None
+        # Only the very tensors the router recorded may be written in their place.
+        if pending.ids is not ids or pending.weights is not weights:
+            raise RuntimeError(
+                "routing capture: the experts got other ids or weights than the router chose"
+            )
+        return pending.destination, pending.weights_destination
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        capture = self._take_capture(ids)
+        capture, capture_weights = self._take_capture(ids, weights)
         if self.use_triton:
             from moetrace.kernels.triton_moe import moe_forward
 
@@ -208,9 +230,12 @@ class MoEExperts(nn.Module):
                 activation=self.activation,
                 capture=capture,
                 extras=self._kernel_extras(),
+                capture_weights=capture_weights,
             )
         if capture is not None:
             capture.copy_(ids)
+        if capture_weights is not None:
+            capture_weights.copy_(weights)
         return self.forward_torch(x, weights, ids)
 
     def forward_torch(

@@ -18,20 +18,30 @@ from moetrace.layers.attention import PagedAttention
 
 
 class MoEBlockBase(nn.Module):
-    """Common capture hook of a routed MLP: records the ids it selected."""
+    """Common capture hook of a routed MLP: records the ids it selected and their weights."""
 
     moe_index: int = -1
     capturer: RoutingCapturer | None = None
 
-    def record(self, ids: torch.Tensor) -> None:
-        """Capture the ids; where the fused-MoE kernel will run on them, it writes them."""
+    def record(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Capture the ids and the weights the experts' outputs are multiplied by.
+
+        ``weights`` must be the very tensor the experts then get.  Where the
+        fused-MoE kernel will run on them, it writes both itself.
+        """
         if self.capturer is None:
             return
         experts = getattr(self, "experts", None)
         if self.capturer.in_kernel and getattr(experts, "use_triton", False):
-            experts.capture_with(ids, self.capturer.destination(self.moe_index, ids.shape[0]))
+            n = ids.shape[0]
+            experts.capture_with(
+                ids,
+                self.capturer.destination(self.moe_index, n),
+                weights,
+                self.capturer.weights_destination(self.moe_index, n),
+            )
         else:
-            self.capturer.record(self.moe_index, ids)
+            self.capturer.record(self.moe_index, ids, weights)
 
 
 class MoEForCausalLM(nn.Module):

@@ -87,8 +87,9 @@ class SoftmaxTopKMoEBlock(MoEBlockBase):
         if self.logits_in_float32:
             logits = logits.float()
         weights, ids = softmax_topk(logits, self.top_k, renormalize=self.renormalize)
-        self.record(ids)
-        return self.experts(x, weights.to(x.dtype), ids)
+        weights = weights.to(x.dtype)
+        self.record(ids, weights)
+        return self.experts(x, weights, ids)
 
 
 class FusedQKVAttention(nn.Module):

@@ -141,8 +141,9 @@ class DeepseekMoE(MoEBlockBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.to(torch.float32), self.gate)
         weights, ids = self.select(logits)
-        self.record(ids)
-        out = self.experts(x, weights * self.scaling, ids)
+        weights = weights * self.scaling
+        self.record(ids, weights)
+        out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -116,7 +116,7 @@ class GptOssBlock(MoEBlockBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Logits, top-k and softmax all in the model dtype, as the reference.
         weights, ids = topk_softmax(self.router(x), self.top_k)
-        self.record(ids)
+        self.record(ids, weights)
         return self.experts(x, weights, ids)
 
 

@@ -52,8 +52,9 @@ class GraniteMoeBlock(MoEBlockBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The reference takes the logits to float32 before top-k and softmax.
         weights, ids = topk_softmax(F.linear(x, self.router).float(), self.top_k)
-        self.record(ids)
-        return self.experts(x, weights.to(x.dtype), ids)
+        weights = weights.to(x.dtype)
+        self.record(ids, weights)
+        return self.experts(x, weights, ids)
 
 
 class GraniteMoeDecoderLayer(PreNormDecoderLayer):

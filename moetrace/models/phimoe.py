@@ -99,7 +99,7 @@ class PhimoeBlock(MoEBlockBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = sparsemixer_top2(F.linear(x, self.gate), self.jitter_eps)
-        self.record(ids)
+        self.record(ids, weights)
         return self.experts(x, weights, ids)
 
 
