@@ -106,7 +106,7 @@ def test_real_v2_lite_config_instantiates_on_meta():
     assert model.moe_layer_indices == list(range(1, 27))
     assert (model.num_experts, model.top_k) == (64, 6)
     attn = model.layers[0].self_attn
-    assert attn.attn.kv_cache_shape() == (1, 288)  # (512 latent + 64 rope) / 2 per k and v
+    assert attn.attn.kv_cache_shapes(7, 16) == [(7, 16, 576)]  # one row of latent ‖ rope key
     assert attn.attn.scale == pytest.approx(192**-0.5 * (0.1 * 0.707 * np.log(40) + 1) ** 2)
     assert model.layers[1].mlp.gate.dtype == torch.float32
     assert model.layers[1].mlp.shared_experts.intermediate == 2 * 1408

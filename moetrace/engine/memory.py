@@ -8,6 +8,8 @@ On the CPU the budget is a fixed size (``cpu_kv_cache_gib``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moetrace.config import EngineConfig
@@ -21,11 +23,8 @@ GRAPH_RESERVE_BYTES = 512 << 20  # CUDA graphs' own pool beyond their share of t
 def kv_bytes_per_block(model: MoEForCausalLM, block_size: int) -> int:
     dtype = next(model.parameters()).dtype
     item = torch.empty(0, dtype=dtype).element_size()
-    total = 0
-    for layer in model.attention_layers():
-        heads, dim = layer.kv_cache_shape()
-        total += 2 * block_size * heads * dim * item
-    return total
+    shapes = (s for layer in model.attention_layers() for s in layer.kv_cache_shapes(1, block_size))
+    return sum(math.prod(shape) for shape in shapes) * item
 
 
 @torch.inference_mode()
@@ -42,9 +41,8 @@ def profile_peak_activation_bytes(
     dtype = next(model.parameters()).dtype
     layers = list(model.attention_layers())
     for layer in layers:
-        shape = (num_blocks, bs, *layer.kv_cache_shape())
-        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        shapes = layer.kv_cache_shapes(num_blocks, bs)
+        layer.bind_kv_cache([torch.zeros(s, dtype=dtype, device=device) for s in shapes])
     lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
     starts = [0]
     for n in lens:
@@ -78,8 +76,7 @@ def profile_peak_activation_bytes(
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     for layer in layers:
-        layer.k_cache = torch.empty(0)
-        layer.v_cache = torch.empty(0)
+        layer.bind_kv_cache([torch.empty(0) for _ in layer.kv_cache_shapes(0, bs)])
     torch.cuda.empty_cache()
     return peak
 

@@ -148,15 +148,13 @@ class ModelRunner:
         # cleared (its pages stay untouched until used); on the GPU, zeros keep
         # masked kernel lanes finite.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, *layer.kv_cache_shape())
-            self.kv_caches.append(
-                (
-                    alloc(shape, dtype=self.dtype, device=self.device),
-                    alloc(shape, dtype=self.dtype, device=self.device),
-                )
-            )
+        self.kv_caches: list[list[torch.Tensor]] = [
+            [
+                alloc(shape, dtype=self.dtype, device=self.device)
+                for shape in layer.kv_cache_shapes(num_blocks, self.block_size)
+            ]
+            for layer in self.model.attention_layers()
+        ]
 
     def bind(self) -> None:
         """Point the model's layers at this runner's KV cache and capturer.
@@ -168,8 +166,8 @@ class ModelRunner:
         """
         if getattr(self.model, "_moetrace_binding", None) is self._binding:
             return
-        for layer, (k, v) in zip(self.model.attention_layers(), self.kv_caches, strict=True):
-            layer.k_cache, layer.v_cache = k, v
+        for layer, caches in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+            layer.bind_kv_cache(caches)
         self.model.set_capturer(self.capturer)
         self.model._moetrace_binding = self._binding
 

@@ -8,6 +8,8 @@ sequence at a time, as the reference the kernels are tested against.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,7 +94,17 @@ class PagedAttention(nn.Module):
         self.use_triton = False  # set by the model runner when the kernels serve this layer
 
     def kv_cache_shape(self) -> tuple[int, int]:
+        """Per token: (KV heads, head dim) of the K cache and of the V cache."""
         return self.num_kv_heads, self.head_dim
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """The cache tensors this layer keeps, which the engine allocates: K and V."""
+        shape = (num_blocks, block_size, *self.kv_cache_shape())
+        return [shape, shape]
+
+    def bind_kv_cache(self, caches: Sequence[torch.Tensor]) -> None:
+        """Point the layer at tensors of ``kv_cache_shapes`` (in that order)."""
+        self.k_cache, self.v_cache = caches
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H, D]."""

@@ -2,24 +2,20 @@
 
 The cache holds what the reference caches: per token, the normalised KV
 latent (``kv_lora_rank``) and the rotated key part shared by all heads
-(``qk_rope_head_dim``) — 576 values for V2/V3 instead of 2 × heads × 192.
-The engine gives each attention layer a k and a v cache of one shape, so the
-packed ``[latent ‖ rope key]`` vector is split in two halves (the second
-zero-padded when the sum is odd): one half per cache tensor.
+(``qk_rope_head_dim``) — 576 values for V2/V3 instead of 2 × heads × 192 —
+packed in one row of one cache tensor per layer.
 
-Each step expands a sequence's cached latents through ``kv_b_proj`` into
-per-head keys and values, as the reference's ``expand_kv`` does, then runs
-eager attention with the reference's dtypes.  On CUDA, decode-only steps
-instead run all sequences at once in latent space (``kv_b_proj`` absorbed
-into the query and the output): the same attention, rounded differently, and
-one set of kernels per layer instead of one per sequence.  There is no Triton
-kernel (``kernel_capable`` is False) and so no decode CUDA graph: on the GPU
-this is the slow part of a DeepSeek run.
+Each step expands each sequence's cached latents as the reference's
+``expand_kv`` does and runs eager attention with the reference's dtypes; its
+decode-only steps can instead run all sequences at once in latent space (the
+same attention, rounded differently), which it does on CUDA.  There is no
+Triton kernel (``kernel_capable`` is False) and so no decode CUDA graph: on
+the GPU this is the slow part of a DeepSeek run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.forward_context import get_attention_metadata
-from moetrace.kernels.kv_store import store_kv_torch
 from moetrace.layers.attention import PagedAttention
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import _yarn_mscale
@@ -70,41 +65,41 @@ def mla_softmax_scale(qk_dim: int, rope: dict) -> float:
 
 
 class LatentCache(PagedAttention):
-    """One layer's paged store of packed latents: k_cache and v_cache hold its two halves."""
+    """One layer's paged store of packed latents: ``cache [blocks, block_size, rank + rope]``."""
 
     def __init__(self, dims: MLADims, scale: float) -> None:
-        self.packed_dim = dims.kv_lora_rank + dims.rope_dim
-        super().__init__(dims.num_heads, 1, -(-self.packed_dim // 2), scale)
+        super().__init__(dims.num_heads, 1, dims.kv_lora_rank + dims.rope_dim, scale)
         self.dims = dims
+        self.cache = torch.empty(0)
 
     @property
     def kernel_capable(self) -> bool:
         return False
 
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        return [(num_blocks, block_size, self.head_dim)]
+
+    def bind_kv_cache(self, caches: Sequence[torch.Tensor]) -> None:
+        (self.cache,) = caches
+
     def store(self, latent: torch.Tensor, k_rot: torch.Tensor, slots: torch.Tensor) -> None:
         """latent [T, kv_lora_rank], k_rot [T, rope_dim] into their slots."""
-        half = self.head_dim
-        packed = torch.cat([latent, k_rot], dim=-1)
-        packed = F.pad(packed, (0, 2 * half - self.packed_dim)).view(-1, 2, 1, half)
-        store_kv_torch(packed[:, 0], packed[:, 1], self.k_cache, self.v_cache, slots)
+        packed = torch.cat([latent, k_rot], dim=-1).to(self.cache.dtype)
+        self.cache.view(-1, self.head_dim).index_copy_(0, slots, packed)
+
+    def split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows [..., rank + rope] as (latent, k_rot) views."""
+        return rows.split([self.dims.kv_lora_rank, self.dims.rope_dim], dim=-1)
 
     def gather(self, blocks: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent [s, kv_lora_rank], k_rot [s, rope_dim]) of one sequence's first s tokens."""
-        half = self.head_dim
-        k = self.k_cache[blocks].reshape(-1, half)[:seq_len]
-        v = self.v_cache[blocks].reshape(-1, half)[:seq_len]
-        packed = torch.cat([k, v], dim=-1)[:, : self.packed_dim]
-        return packed.split([self.dims.kv_lora_rank, self.dims.rope_dim], dim=-1)
+        return self.split_rows(self.cache[blocks].reshape(-1, self.head_dim)[:seq_len])
 
     def gather_batch(self, tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent [B, S, kv_lora_rank], k_rot [B, S, rope_dim]) for S = max_len rounded up to
         whole blocks; positions past a sequence's length hold whatever those slots hold."""
-        half, bs = self.head_dim, self.k_cache.shape[1]
-        blocks = tables[:, : -(-max_len // bs)].long()
-        k = self.k_cache[blocks].reshape(blocks.shape[0], -1, half)
-        v = self.v_cache[blocks].reshape(blocks.shape[0], -1, half)
-        packed = torch.cat([k, v], dim=-1)[..., : self.packed_dim]
-        return packed.split([self.dims.kv_lora_rank, self.dims.rope_dim], dim=-1)
+        blocks = tables[:, : -(-max_len // self.cache.shape[1])].long()
+        return self.split_rows(self.cache[blocks].reshape(blocks.shape[0], -1, self.head_dim))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -143,8 +138,9 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_rot = rope(k_rot.reshape(t, 1, d.rope_dim)).view(t, d.rope_dim)
-        query = torch.cat([q_nope, rope(q_rot)], dim=-1)
+        q_rot = rope(q_rot)
         meta = get_attention_metadata()
+        query = torch.cat([q_nope, q_rot], dim=-1)
         self.attn.store(latent, k_rot, meta.slot_mapping)
         absorbed = x.is_cuda if self.absorbed_decode is None else self.absorbed_decode
         if absorbed and meta.is_decode_only:
