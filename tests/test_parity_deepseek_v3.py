@@ -118,11 +118,13 @@ def test_cuda_records_what_the_cpu_records(tmp_path):
     [
         ("deepseek_v3", {}),
         ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+        ("deepseek_v2", dict(q_lora_rank=None, first_k_dense_replace=1)),  # V2-Lite's layout
     ],
 )
 def test_bf16_router_equals_transformers_router_teacher_forced(tmp_path, family, shape):
-    """On CUDA in bf16, each layer's selection from the hidden states the engine fed it equals
-    transformers' router module on the same states (ids re-sorted by selection score)."""
+    """On CUDA in bf16 (MLA and experts on the kernels, decode graphs on), each layer's
+    selection from the hidden states the engine fed it equals transformers' router module on
+    the same states (ids re-sorted by selection score)."""
     import torch.nn.functional as F
     from hf_reference import RouterCall, descending_ids
     from transformers import AutoModelForCausalLM

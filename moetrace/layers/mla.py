@@ -5,16 +5,24 @@ latent (``kv_lora_rank``) and the rotated key part shared by all heads
 (``qk_rope_head_dim``) — 576 values for V2/V3 instead of 2 × heads × 192 —
 packed in one row of one cache tensor per layer.
 
-Each step expands each sequence's cached latents as the reference's
+On the GPU the Triton kernels (``kernels/triton_mla.py``) serve every step:
+decode in latent space (``kv_b_proj`` absorbed into the query and the
+output; the only form inside a CUDA graph), and steps with prompt tokens
+through keys and values expanded from the gathered context when that costs
+no more than the step's own tokens (one expansion GEMM, then 192-wide scores
+instead of 576-wide), in latent space otherwise (prefix hits and long
+contexts behind few new tokens).
+
+The plain-torch path (CPU, float64, and the reference the kernels are tested
+against) expands each sequence's cached latents as the reference's
 ``expand_kv`` does and runs eager attention with the reference's dtypes; its
 decode-only steps can instead run all sequences at once in latent space (the
-same attention, rounded differently), which it does on CUDA.  There is no
-Triton kernel (``kernel_capable`` is False) and so no decode CUDA graph: on
-the GPU this is the slow part of a DeepSeek run.
+same attention, rounded differently), which it does on CUDA.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrace.forward_context import get_attention_metadata
+from moetrace.forward_context import AttentionMetadata, get_attention_metadata
 from moetrace.layers.attention import PagedAttention
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import _yarn_mscale
@@ -64,6 +72,11 @@ def mla_softmax_scale(qk_dim: int, rope: dict) -> float:
     return scale
 
 
+def _has_single_query_seq(meta: AttentionMetadata) -> bool:
+    starts = meta.query_start_loc_host
+    return any(b - a == 1 for a, b in itertools.pairwise(starts))
+
+
 class LatentCache(PagedAttention):
     """One layer's paged store of packed latents: ``cache [blocks, block_size, rank + rope]``."""
 
@@ -71,10 +84,6 @@ class LatentCache(PagedAttention):
         super().__init__(dims.num_heads, 1, dims.kv_lora_rank + dims.rope_dim, scale)
         self.dims = dims
         self.cache = torch.empty(0)
-
-    @property
-    def kernel_capable(self) -> bool:
-        return False
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         return [(num_blocks, block_size, self.head_dim)]
@@ -126,7 +135,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(d.kv_lora_rank, d.num_heads * (d.nope_dim + d.v_dim), bias=False)
         self.o_proj = nn.Linear(d.num_heads * d.v_dim, d.hidden, bias=bias)
         self.attn = LatentCache(dims, scale)
-        self.absorbed_decode: bool | None = None  # None: on CUDA only (see the module doc)
+        self.absorbed_decode: bool | None = None  # plain path; None: on CUDA only
+        self.expand_prefill = True  # kernel path: the expanded form where it pays (module doc)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         d, t = self.dims, x.shape[0]
@@ -140,6 +150,9 @@ class MultiHeadLatentAttention(nn.Module):
         k_rot = rope(k_rot.reshape(t, 1, d.rope_dim)).view(t, d.rope_dim)
         q_rot = rope(q_rot)
         meta = get_attention_metadata()
+        if self.attn.use_triton and x.dtype != torch.float64:  # no float64 Triton dots
+            out = self._attend_kernels(q_nope, q_rot, latent, k_rot, meta)
+            return self.o_proj(out.reshape(t, d.num_heads * d.v_dim))
         query = torch.cat([q_nope, q_rot], dim=-1)
         self.attn.store(latent, k_rot, meta.slot_mapping)
         absorbed = x.is_cuda if self.absorbed_decode is None else self.absorbed_decode
@@ -154,6 +167,80 @@ class MultiHeadLatentAttention(nn.Module):
             keys, values = self._expand(*self.attn.gather(blocks, seq_len))
             out[q0:q1] = self._attend(query[q0:q1], keys, values)
         return self.o_proj(out.reshape(t, d.num_heads * d.v_dim))
+
+    def _attend_kernels(
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention output [T, H, v_dim] through the Triton kernels.
+
+        Every sequence runs in latent space, except, in a step where the
+        expanded form pays (``_expand_rows``), those with more than one query.
+        """
+        from moetrace.kernels import triton_mla
+
+        d, t = self.dims, q_nope.shape[0]
+        cache = self.attn.cache
+        triton_mla.store_latent(latent, k_rot, cache, meta.slot_mapping)
+        w = self.kv_b_proj.weight.view(d.num_heads, d.nope_dim + d.v_dim, d.kv_lora_rank)
+        w_uk, w_uv = w.split([d.nope_dim, d.v_dim], dim=1)
+        context = self._expand_rows(meta, t)
+        out = q_nope.new_empty(d.num_heads, t, d.v_dim)  # [H, T, v]: the W_UV product's layout
+        if not context or _has_single_query_seq(meta):
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, r]
+            out_latent = torch.empty_like(q_latent)
+            triton_mla.absorbed_attention(
+                q_latent.transpose(0, 1),
+                q_rot,
+                cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                self.attn.scale,
+                out=out_latent.transpose(0, 1),
+                single_query_only=bool(context),
+            )
+            torch.bmm(out_latent, w_uv.transpose(1, 2), out=out)
+        if context:
+            rows, first = triton_mla.gather_context(
+                cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, context
+            )
+            ctx_latent, ctx_rot = self.attn.split_rows(rows)
+            kv = self.kv_b_proj(ctx_latent).view(context, d.num_heads, d.nope_dim + d.v_dim)
+            triton_mla.expanded_attention(
+                q_nope,
+                q_rot,
+                kv,
+                ctx_rot,
+                first,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.attn.scale,
+                out.transpose(0, 1),
+            )
+        return out.transpose(0, 1)
+
+    def _expand_rows(self, meta: AttentionMetadata, num_tokens: int) -> int:
+        """Context rows the expanded form would expand (0: not used this step).
+
+        Only outside CUDA graphs (it sizes buffers by host-side lengths), only
+        for sequences with more than one query, and only while the expansion
+        is no larger than the step: then the profiled largest step bounds its
+        memory and each expanded row serves at least one query.
+        """
+        if not self.expand_prefill or num_tokens == len(meta.seq_lens_host):
+            return 0
+        if self.o_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return 0
+        starts = meta.query_start_loc_host
+        context = sum(
+            s for s, a, b in zip(meta.seq_lens_host, starts, starts[1:], strict=False) if b - a > 1
+        )
+        return context if context <= num_tokens else 0
 
     def _expand(
         self, latent: torch.Tensor, k_rot: torch.Tensor

@@ -1,0 +1,715 @@
+"""Triton kernels for multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache.
+
+The cache holds one row per token: the normalised KV latent ``c``
+(``kv_lora_rank`` values) followed by the rotated key part shared by every
+head (``qk_rope_head_dim``): ``cache [num_blocks, block_size, rank + rope]``.
+
+One attention kernel, two forms:
+
+- **absorbed** (any step; the only form inside a CUDA graph): the query's
+  no-rope part is taken through ``W_UK`` first (``q_lat = q_nope W_UK``), so
+  ``score = q_lat · c + q_rot · k_rot`` is read straight off the cache; the
+  output stays in latent space (``Σ p c``) and goes through ``W_UV`` after.
+  Every head reads the same cache row, so a program packs ``BLOCK_H`` heads
+  of one query (or a few queries) as the rows of its tile and each row read
+  from the cache serves them all.  Decode batches too small to fill the GPU
+  split each sequence's keys over several programs and merge the partial
+  softmaxes in a second kernel.
+- **expanded** (steps with prompt tokens, run eagerly): the context's latents
+  are gathered and expanded through ``kv_b_proj`` into per-head ``k_nope``
+  and ``v`` (one GEMM), and the kernel runs ordinary per-head attention over
+  them: ``score = q_nope · k_nope + q_rot · k_rot``, ``k_rot`` still shared.
+  Cheaper per query for long prompts (192-wide scores and 128-wide values
+  instead of 576 and 512); it costs one expansion per context token.
+
+Launch grids depend only on tensor shapes (tokens, sequences, heads), never
+on query or context lengths: a program finds its sequence by a binary search
+over ``query_start_loc`` and stops if it has no queries there.  Nothing reads
+a device value on the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, or on CPU tensors under the interpreter (tests)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get exact float32 dots (Triton's default for them is TF32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block(n: int) -> int:
+    """Tile width for a dimension of ``n``: a power of two, at least 16 (tensor-core dots)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+# ---------------------------------------------------------------------------
+# Latent store
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_latent_kernel(
+    latent_ptr,
+    k_rot_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_lt,
+    stride_rt,
+    stride_slot,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # Negative slots mark padding tokens that own no cache row.
+    if slot >= 0:
+        t64 = t.to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        c = tl.load(latent_ptr + t64 * stride_lt + r, mask=r < RANK)
+        row = cache_ptr + slot * stride_slot
+        tl.store(row + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
+        p = tl.arange(0, BLOCK_P)
+        k = tl.load(k_rot_ptr + t64 * stride_rt + p, mask=p < ROPE)
+        tl.store(row + RANK + p, k.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
+
+
+def store_latent(
+    latent: torch.Tensor, k_rot: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write the step's ``latent [T, rank]`` and ``k_rot [T, rope]`` into their cache rows.
+
+    One program per token; a negative slot is skipped.
+    """
+    num_tokens, rank = latent.shape
+    rope = k_rot.shape[1]
+    if num_tokens == 0:
+        return
+    if cache.shape[-1] != rank + rope or not cache.is_contiguous():
+        raise ValueError(f"cache {tuple(cache.shape)} is not a contiguous [.., {rank + rope}]")
+    if latent.stride(1) != 1:
+        latent = latent.contiguous()
+    if k_rot.stride(1) != 1:
+        k_rot = k_rot.contiguous()
+    _store_latent_kernel[(num_tokens,)](
+        latent,
+        k_rot,
+        cache,
+        slot_mapping,
+        latent.stride(0),
+        k_rot.stride(0),
+        cache.stride(-2),
+        RANK=rank,
+        ROPE=rope,
+        BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_P=triton.next_power_of_2(rope),
+        num_warps=4 if rank >= 256 else 1,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------
+
+# Which sequences a launch serves (the two forms split a step between them).
+ALL_SEQS, SINGLE_QUERY_SEQS, MULTI_QUERY_SEQS = 0, 1, 2
+
+
+@triton.jit
+def _tile_start(query_start_loc_ptr, seq, BLOCK_Q: tl.constexpr):
+    """First grid index of ``seq``'s query tiles.
+
+    With ``BLOCK_Q == 1`` every token is a tile.  Otherwise sequence ``b``
+    owns the ``qsl[b+1] // BLOCK_Q - qsl[b] // BLOCK_Q + 1`` indices from
+    ``qsl[b] // BLOCK_Q + b`` (at least the ``cdiv(q_len, BLOCK_Q)`` it needs),
+    so the grid's size, ``T // BLOCK_Q + B``, depends on shapes alone.
+    """
+    start = tl.load(query_start_loc_ptr + seq)
+    if BLOCK_Q > 1:
+        start = start // BLOCK_Q + seq
+    return start
+
+
+@triton.jit
+def _find_tile(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """(sequence, tile within it) of grid index ``pid``: the last sequence starting at or before."""
+    lo = num_seqs * 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _tile_start(query_start_loc_ptr, mid, BLOCK_Q) <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, pid - _tile_start(query_start_loc_ptr, lo, BLOCK_Q)
+
+
+@triton.jit
+def _attend_rows(
+    q1,
+    q2,
+    acc,
+    m_i,
+    l_i,
+    lo,
+    hi,
+    pos,
+    k1_ptr,
+    k2_ptr,
+    v_ptr,
+    bt_row,
+    kv_base,
+    scale_log2,
+    d1,
+    d2,
+    dv,
+    stride_k1,
+    stride_k2,
+    stride_v,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    V_IS_K1: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi).  MASKED=False: every key is visible to every row.
+
+    Key ``j``'s row is its cache slot (``PAGED``, through the block table) or
+    ``kv_base + j`` of a contiguous buffer.  ``k1_ptr``, ``k2_ptr`` and ``v_ptr``
+    already point at this program's head.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        if PAGED:
+            blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+            row = blk * BLOCK_SIZE + j % BLOCK_SIZE
+        else:
+            row = (kv_base + j).to(tl.int64)
+        k1 = tl.load(
+            k1_ptr + row[:, None] * stride_k1 + d1[None, :],
+            mask=j_ok[:, None] & (d1 < D1)[None, :],
+            other=0.0,
+        )
+        k2 = tl.load(
+            k2_ptr + row[:, None] * stride_k2 + d2[None, :],
+            mask=j_ok[:, None] & (d2 < D2)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no visible key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_IS_K1:
+            v = k1
+        else:
+            v = tl.load(
+                v_ptr + row[:, None] * stride_v + dv[None, :],
+                mask=j_ok[:, None] & (dv < DV)[None, :],
+                other=0.0,
+            )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _mla_attention_kernel(
+    q1_ptr,
+    q2_ptr,
+    k1_ptr,
+    k2_ptr,
+    v_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    kv_start_ptr,
+    scale_log2,
+    num_seqs,
+    num_heads,
+    stride_q1t,
+    stride_q1h,
+    stride_q2t,
+    stride_q2h,
+    stride_k1,
+    stride_k1h,
+    stride_k2,
+    stride_v,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ONE_QUERY_PER_SEQ: tl.constexpr,
+    SEQS: tl.constexpr,
+    PAGED: tl.constexpr,
+    V_IS_K1: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Causal attention of one tile: ``BLOCK_Q`` queries x ``BLOCK_H`` heads as its rows.
+
+    ``score = q1 · k1 + q2 · k2`` (the no-rope and rope parts), values ``v``.
+    Row r is query ``tile * BLOCK_Q + r // BLOCK_H``, head ``group * BLOCK_H + r % BLOCK_H``;
+    with per-head keys (the expanded form) ``BLOCK_H`` is 1.
+    """
+    group = tl.program_id(1)
+    split = tl.program_id(2)
+    if ONE_QUERY_PER_SEQ:
+        seq = tl.program_id(0)
+        tile = 0
+    else:
+        seq, tile = _find_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    # Sequences the other form serves (SEQS: 1 single-query only, 2 multi-query only).
+    if SEQS == 1 and q_len > 1:
+        return
+    if SEQS == 2 and q_len == 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # keys cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile * BLOCK_Q + rows // BLOCK_H
+    head = group * BLOCK_H + rows % BLOCK_H
+    row_ok = (rows < BLOCK_Q * BLOCK_H) & (q_idx < q_len) & (head < num_heads)
+    pos = ctx_len + q_idx
+    tok = (q_start + q_idx).to(tl.int64)
+    d1 = tl.arange(0, BLOCK_D1)
+    d2 = tl.arange(0, BLOCK_D2)
+    dv = tl.arange(0, BLOCK_DV)
+    q1 = tl.load(
+        q1_ptr + tok[:, None] * stride_q1t + head[:, None] * stride_q1h + d1[None, :],
+        mask=row_ok[:, None] & (d1 < D1)[None, :],
+        other=0.0,
+    )
+    q2 = tl.load(
+        q2_ptr + tok[:, None] * stride_q2t + head[:, None] * stride_q2h + d2[None, :],
+        mask=row_ok[:, None] & (d2 < D2)[None, :],
+        other=0.0,
+    )
+
+    first_pos = ctx_len + tile * BLOCK_Q
+    kv_lo = 0
+    kv_hi = ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_Q)
+    if NUM_SPLITS > 1:
+        # Flash-decoding: this program takes one contiguous share of the keys.
+        chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_hi = tl.minimum(kv_lo + chunk, kv_hi)
+    # Keys up to the tile's first query are visible to all its rows: whole BLOCK_N
+    # tiles of them skip the causal mask.
+    full = tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0)
+    full_hi = kv_lo + full // BLOCK_N * BLOCK_N
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = 0
+    if not PAGED:
+        kv_base = tl.load(kv_start_ptr + seq)
+    # Per-head keys and values (expanded form) are offset by the program's head.
+    k1_head = k1_ptr + group.to(tl.int64) * stride_k1h
+    v_head = v_ptr + group.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, m_i, l_i = _attend_rows(
+        q1, q2, acc, m_i, l_i, kv_lo, full_hi, pos, k1_head, k2_ptr, v_head, bt_row, kv_base,
+        scale_log2, d1, d2, dv, stride_k1, stride_k2, stride_v,
+        D1, D2, DV, BLOCK_N, BLOCK_SIZE, PAGED, V_IS_K1, False, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_rows(
+        q1, q2, acc, m_i, l_i, full_hi, kv_hi, pos, k1_head, k2_ptr, v_head, bt_row, kv_base,
+        scale_log2, d1, d2, dv, stride_k1, stride_k2, stride_v,
+        D1, D2, DV, BLOCK_N, BLOCK_SIZE, PAGED, V_IS_K1, True, DOT_PRECISION,
+    )  # fmt: skip
+
+    if NUM_SPLITS > 1:
+        # Unnormalised partials [T, H, S, BLOCK_DV] and (m, l) [T, H, S, 2]; _merge_kernel merges.
+        part = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        tl.store(
+            o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :]
+        )
+
+
+@triton.jit
+def _merge_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """One (token, head): rescale each split's share to the common max and normalise."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    dv = tl.arange(0, BLOCK_DV)
+    part = (tok * num_heads + head) * NUM_SPLITS + sp
+    m = tl.load(part_ml_ptr + part * 2)
+    l_s = tl.load(part_ml_ptr + part * 2 + 1)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_DV + dv[None, :])
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + dv
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: behave like an H200
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def decode_splits(num_seqs: int, head_groups: int, device: torch.device) -> int:
+    """Key splits per decode sequence: the power of two that brings the programs to about
+    two per SM (capped at ``MAX_SPLITS``); 1 once the batch fills the GPU by itself.
+
+    A function of the batch shape only, so a captured graph stays valid for any
+    context lengths; splits that get no keys cost a masked store.
+    """
+    want = 2 * _num_sms(device) // max(1, num_seqs * head_groups)
+    splits = 1
+    while splits * 2 <= min(want, MAX_SPLITS):
+        splits *= 2
+    return splits
+
+
+class MLAConfig(NamedTuple):
+    """Tile sizes of one launch: queries and heads per tile (its rows), keys per step."""
+
+    block_q: int
+    block_h: int
+    block_n: int
+    splits: int
+    num_warps: int
+    num_stages: int
+
+
+def absorbed_config(
+    num_tokens: int, num_seqs: int, num_heads: int, device: torch.device, *, single_query: bool
+) -> MLAConfig:
+    """Tiles of the absorbed form, chosen by the step's shape alone.
+
+    One query per sequence (decode, or the decode sequences of a mixed step):
+    one query x up to 16 heads per tile (the fewest rows a tensor-core dot
+    takes; its float32 accumulator is 16 x 512), keys split by
+    ``decode_splits`` when every sequence has one query.  Tiles with prompt
+    tokens: 2 queries x 16 heads on 8 warps.  Compiled for sm_90 these use
+    163-255 registers per thread with at most 16 bytes spilled (4 queries,
+    or 64 keys per step, spill 0.3-3.5 KB); speed not yet measured.
+    """
+    block_h = min(16, triton.next_power_of_2(num_heads))
+    if num_tokens == num_seqs or single_query:
+        splits = 1
+        if num_tokens == num_seqs:
+            splits = decode_splits(num_seqs, triton.cdiv(num_heads, block_h), device)
+        return MLAConfig(1, block_h, 32, splits, 4, 2)
+    return MLAConfig(max(1, 32 // block_h), block_h, 32, 1, 8, 2)
+
+
+# Expanded form: 64 queries of one head per tile, 32 keys per step, 8 warps (the
+# tile that compiled without spilling: 64 or 128 keys per step spill 0.3-2 KB).
+EXPANDED_CONFIG = MLAConfig(64, 1, 32, 1, 8, 2)
+
+
+def _launch(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor | None,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    paging: tuple[torch.Tensor, int] | None,
+    kv_start: torch.Tensor | None,
+    scale: float,
+    head_strides: tuple[int, int],
+    config: MLAConfig,
+    seqs: int,
+) -> None:
+    """One launch of the attention kernel (the public wrappers say what each form passes).
+
+    ``k1``, ``k2`` and ``v`` (None: the values are k1) are 2-D row views whose
+    row is a cache slot (``paging = (block_tables, block_size)``) or a context
+    token of a contiguous buffer (``kv_start``: each sequence's first row);
+    ``head_strides`` are k1's and v's strides between heads (0 when shared).
+    """
+    num_tokens, num_heads, d1 = q1.shape
+    d2 = q2.shape[-1]
+    dv = out.shape[-1]
+    num_seqs = seq_lens.shape[0]
+    one_query = num_tokens == num_seqs
+    bq, splits = config.block_q, config.splits
+    tiles = num_tokens if one_query or bq == 1 else num_tokens // bq + num_seqs
+    groups = triton.cdiv(num_heads, config.block_h)
+    block_dv = _block(dv)
+    if splits > 1:
+        part_acc = q1.new_empty((num_tokens, num_heads, splits, block_dv), dtype=torch.float32)
+        part_ml = q1.new_empty((num_tokens, num_heads, splits, 2), dtype=torch.float32)
+    else:
+        part_acc = part_ml = out  # unused
+    tables, block_size = paging if paging is not None else (seq_lens[:, None], 1)
+    _mla_attention_kernel[(tiles, groups, splits)](
+        q1,
+        q2,
+        k1,
+        k2,
+        k1 if v is None else v,
+        out,
+        part_acc,
+        part_ml,
+        query_start_loc,
+        seq_lens,
+        tables,
+        seq_lens if kv_start is None else kv_start,
+        scale * _LOG2E,
+        num_seqs,
+        num_heads,
+        q1.stride(0),
+        q1.stride(1),
+        q2.stride(0),
+        q2.stride(1),
+        k1.stride(0),
+        head_strides[0],
+        k2.stride(0),
+        k1.stride(0) if v is None else v.stride(0),
+        head_strides[1],
+        out.stride(0),
+        out.stride(1),
+        tables.stride(0),
+        D1=d1,
+        D2=d2,
+        DV=dv,
+        BLOCK_D1=_block(d1),
+        BLOCK_D2=_block(d2),
+        BLOCK_DV=block_dv,
+        BLOCK_Q=bq,
+        BLOCK_H=config.block_h,
+        BLOCK_M=max(16, bq * config.block_h),
+        BLOCK_N=config.block_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=splits,
+        ONE_QUERY_PER_SEQ=one_query,
+        SEQS=seqs,
+        PAGED=paging is not None,
+        V_IS_K1=v is None,
+        DOT_PRECISION=_dot_precision(q1.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _merge_kernel[(num_tokens, num_heads)](
+            part_acc,
+            part_ml,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            DV=dv,
+            BLOCK_DV=block_dv,
+            num_warps=4 if block_dv >= 256 else 2,
+        )
+
+
+def _rows_last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def absorbed_attention(
+    q_latent: torch.Tensor,
+    q_rot: torch.Tensor,
+    cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    single_query_only: bool = False,
+    config: MLAConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention in latent space: ``Σ_j softmax_j(scale (q_lat · c_j + q_rot · k_rot_j)) c_j``.
+
+    ``q_latent [T, H, rank]`` (``q_nope`` through ``W_UK``) and ``q_rot [T, H, rope]``
+    may be strided views; the step's own latents must be in ``cache`` already
+    (``store_latent`` first).  Returns ``[T, H, rank]`` in ``out`` (any strides)
+    or a new tensor.  ``single_query_only``: rows of sequences with more than
+    one query are left unwritten (the expanded form serves them).
+    """
+    num_tokens, num_heads, rank = q_latent.shape
+    width = cache.shape[-1]
+    if width != rank + q_rot.shape[-1] or not cache.is_contiguous():
+        raise ValueError(f"cache {tuple(cache.shape)} does not hold rank {rank} + rope latents")
+    if not _use_triton(q_latent):
+        raise RuntimeError("absorbed_attention needs CUDA tensors (or TRITON_INTERPRET=1)")
+    if out is None:
+        out = q_latent.new_empty((num_tokens, num_heads, rank))
+    if num_tokens == 0:
+        return out
+    if config is None:
+        config = absorbed_config(
+            num_tokens,
+            seq_lens.shape[0],
+            num_heads,
+            q_latent.device,
+            single_query=single_query_only,
+        )
+    rows = cache.view(-1, width)
+    _launch(
+        _rows_last_contiguous(q_latent),
+        _rows_last_contiguous(q_rot),
+        rows,
+        rows[:, rank:],
+        None,
+        out,
+        query_start_loc,
+        seq_lens,
+        paging=(block_tables, cache.shape[1]),
+        kv_start=None,
+        scale=scale,
+        head_strides=(0, 0),
+        config=config,
+        seqs=SINGLE_QUERY_SEQS if single_query_only else ALL_SEQS,
+    )
+    return out
+
+
+def gather_context(
+    cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    total: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached rows ``[total, rank + rope]`` of every sequence with more than one query, one
+    sequence after another, and each sequence's first row (int32 ``[B]``).
+
+    ``total`` is those sequences' summed lengths, which the caller knows on the
+    host: with it as ``output_size`` nothing here waits for the device.
+    """
+    num_seqs = seq_lens.shape[0]
+    block_size, width = cache.shape[1], cache.shape[-1]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    lens = torch.where(q_lens > 1, seq_lens, 0).to(torch.int64)
+    first = lens.cumsum(0) - lens
+    seq = torch.repeat_interleave(
+        torch.arange(num_seqs, device=cache.device), lens, output_size=total
+    )
+    j = torch.arange(total, device=cache.device) - first[seq]
+    slots = block_tables[seq, j // block_size].to(torch.int64) * block_size + j % block_size
+    return cache.view(-1, width)[slots], first.to(torch.int32)
+
+
+def expanded_attention(
+    q_nope: torch.Tensor,
+    q_rot: torch.Tensor,
+    kv: torch.Tensor,
+    k_rot: torch.Tensor,
+    kv_start: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    config: MLAConfig = EXPANDED_CONFIG,
+) -> torch.Tensor:
+    """Per-head causal attention of the sequences with more than one query, over keys and
+    values expanded from their context (``gather_context``, then ``kv_b_proj``).
+
+    ``kv [C, H, nope + v_dim]`` holds each context token's ``k_nope ‖ v`` per head,
+    ``k_rot [C, rope]`` its rotated key part (a row view is fine), ``kv_start``
+    each sequence's first row.  Writes ``out [T, H, v_dim]`` (any strides) at
+    those sequences' tokens only.
+    """
+    num_ctx, num_heads, width = kv.shape
+    nope = q_nope.shape[-1]
+    if width != nope + out.shape[-1] or not kv.is_contiguous():
+        raise ValueError(f"kv {tuple(kv.shape)} is not a contiguous [C, H, nope + v_dim]")
+    if q_nope.shape[0] == 0 or num_ctx == 0:
+        return out
+    flat = kv.view(num_ctx, num_heads * width)
+    _launch(
+        _rows_last_contiguous(q_nope),
+        _rows_last_contiguous(q_rot),
+        flat,
+        _rows_last_contiguous(k_rot),
+        flat[:, nope:],
+        out,
+        query_start_loc,
+        seq_lens,
+        paging=None,
+        kv_start=kv_start,
+        scale=scale,
+        head_strides=(width, width),
+        config=config,
+        seqs=MULTI_QUERY_SEQS,
+    )
+    return out
