@@ -115,6 +115,21 @@ def test_real_v2_lite_config_instantiates_on_meta():
     assert "model.layers.0.self_attn.q_proj.weight" in names
 
 
+def test_real_v2_config_instantiates_on_meta():
+    config = json.loads((CONFIGS / "deepseek-v2.json").read_text())
+    model = instantiate(config, "deepseek-v2", torch.bfloat16, torch.device("meta"))
+    assert model.moe_layer_indices == list(range(1, 60))
+    block = model.layers[1].mlp
+    assert (model.num_experts, model.top_k) == (160, 6)
+    assert (block.topk_method, block.num_groups, block.topk_groups) == (
+        "group_limited_greedy",
+        8,
+        3,
+    )
+    assert block.scaling == 16.0
+    assert model.layers[0].self_attn.attn.kv_cache_shapes(1, 16) == [(1, 16, 576)]
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

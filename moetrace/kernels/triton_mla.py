@@ -459,9 +459,10 @@ def absorbed_config(
     one query x up to 16 heads per tile (the fewest rows a tensor-core dot
     takes; its float32 accumulator is 16 x 512), keys split by
     ``decode_splits`` when every sequence has one query.  Tiles with prompt
-    tokens: 2 queries x 16 heads on 8 warps.  Compiled for sm_90 these use
-    163-255 registers per thread with at most 16 bytes spilled (4 queries,
-    or 64 keys per step, spill 0.3-3.5 KB); speed not yet measured.
+    tokens: 2 queries x 16 heads on 8 warps.  Compiled for sm_90 in 16-bit
+    these take 255 registers on 4 warps with 8-144 bytes of stack (decode)
+    and 213 on 8 warps with none (4 queries, or 64 keys per step, spill
+    0.3-3.5 KB); their speed is benchmarks/mla_kernels.py's to measure.
     """
     block_h = min(16, triton.next_power_of_2(num_heads))
     if num_tokens == num_seqs or single_query:
