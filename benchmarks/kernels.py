@@ -503,7 +503,14 @@ def main() -> None:
         "moe-sweep-olmoe": lambda: moe_crossover("OLMoE", 64, 8, 2048, 1024),
         "gpt-oss": gpt_oss,
     }
-    # Optional arguments pick sections by prefix, in that order: `kernels.py moe` runs the MoE ones.
+    run_sections(sections, t0)
+
+
+def run_sections(sections: dict[str, Callable[[], None]], t0: float) -> None:
+    """Run the sections the arguments pick, then print the summary table.
+
+    Optional arguments pick sections by prefix, in that order: `kernels.py moe` runs the MoE ones.
+    """
     wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
     order = [k for w in wanted for k in sections if k.startswith(w)] if wanted else list(sections)
     for key in dict.fromkeys(order):

@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 import triton
-from kernels import DEV, ROWS, SMOKE, try_bench
+from kernels import DEV, SMOKE, run_sections, try_bench
 
 from moetrace.kernels import triton_mla as tk
 
@@ -197,16 +197,7 @@ def main() -> None:
         "prefill-v3": lambda: prefill("V3 H128", 4 if SMOKE else 128),
         "store": store,
     }
-    wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
-    order = [k for w in wanted for k in sections if k.startswith(w)] if wanted else list(sections)
-    for key in dict.fromkeys(order):
-        sections[key]()
-        if not SMOKE:
-            torch.cuda.empty_cache()
-    print(f"\n(total {time.time() - t0:.0f} s)\n")
-    print(f"{'what':44s} {'variant':36s} {'median':>12s}  note")
-    for what, variant, ms, note in ROWS:
-        print(f"{what:44s} {variant:36s} {ms * 1e3:9.1f} us  {note}")
+    run_sections(sections, t0)
 
 
 if __name__ == "__main__":

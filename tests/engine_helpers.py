@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -73,23 +75,30 @@ def shared_prefix_prompts(seed: int, count: int, vocab: int = 97) -> dict[str, l
     return prompts
 
 
-def assert_forward_never_syncs(model, device: torch.device) -> None:
-    """A prefill step's forward, eager and padded as graphs capture it, and its routing copy,
+def assert_forward_never_syncs(
+    model, device: torch.device, *, prepare: Callable[[LLMEngine], None] | None = None, **engine
+) -> None:
+    """A step's forward, eager and padded as graphs capture it, and its routing copy,
     with torch's sync checker set to raise.
 
-    Both forwards run once before, unchecked: Triton compiles its kernels on
-    first use, which may synchronise.
+    The step is four 30-token prompts, or what the engine schedules after
+    ``prepare(engine)`` (which adds requests and may run earlier steps).  Both
+    forwards run once before, unchecked: Triton compiles its kernels on first
+    use, which may synchronise.
     """
     from moetrace.engine.step_plan import build_plan
     from moetrace.forward_context import forward_context
 
-    config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=8, enforce_eager=True)
+    settings = {"num_kv_blocks": 64, "block_size": 16, "max_num_seqs": 8, "enforce_eager": True}
+    config = EngineConfig(**{**settings, **engine})
     eng = LLMEngine(model, config, device)
-    for i in range(4):
-        eng.add_request(f"r{i}", list(range(10 + i, 40 + i)), SamplingParams(max_tokens=4))
+    if prepare is not None:
+        prepare(eng)
+    else:
+        for i in range(4):
+            eng.add_request(f"r{i}", list(range(10 + i, 40 + i)), SamplingParams(max_tokens=4))
     output = eng.scheduler.schedule()
-    assert len(output.scheduled) == 4
-    plan = build_plan(output, 16)
+    plan = build_plan(output, config.block_size)
     ids, pos, meta, _rows = eng.runner.staged_inputs(plan)
     graphs = eng.runner.graphs
     size = graphs.bucket(plan.num_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_helpers import assert_forward_never_syncs
 from hf_reference import make_tiny_checkpoint
 
 from moetrace.config import EngineConfig
@@ -68,33 +69,21 @@ def test_decode_graphs_replay_what_eager_decode_computes(tmp_path, name):
 
 @pytest.mark.parametrize("kernels", ["absorbed", "expanded"])
 def test_mixed_step_forward_never_syncs_the_host(tmp_path, kernels):
-    """A step with a decode, a prompt and a prompt chunk runs with torch's sync checker raising."""
-    from moetrace.engine.step_plan import build_plan
-    from moetrace.forward_context import forward_context
+    """A step with a decode, a prompt and a prompt chunk, at its own size and padded as the
+    runner runs it, goes through the forward with torch's sync checker raising."""
     from moetrace.layers.mla import MultiHeadLatentAttention
 
     model = bf16_model(tmp_path, "v3")
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
             module.expand_prefill = kernels == "expanded"
-    config = EngineConfig(
-        num_kv_blocks=64, block_size=16, enforce_eager=True, async_scheduling=False,
-        max_num_batched_tokens=48,
-    )  # fmt: skip
-    eng = LLMEngine(model, config, CUDA)
-    eng.add_request("decoding", list(range(10, 30)), SamplingParams(max_tokens=8))
-    eng.step()  # its prompt; it decodes in the next step
-    eng.add_request("new", list(range(40, 60)), SamplingParams(max_tokens=4))
-    eng.add_request("chunked", list(range(60, 120)), SamplingParams(max_tokens=4))
-    output = eng.scheduler.schedule()
-    plan = build_plan(output, config.block_size)
-    assert sorted(np.diff(plan.query_start).tolist()) == [1, 20, 27]
-    ids, pos, meta, _rows = eng.runner.staged_inputs(plan)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.inference_mode(), forward_context(meta):
-            model(ids, pos)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+
+    def prepare(eng: LLMEngine) -> None:
+        eng.add_request("decoding", list(range(10, 30)), SamplingParams(max_tokens=8))
+        eng.step()  # its prompt; it decodes in the next step
+        eng.add_request("new", list(range(40, 60)), SamplingParams(max_tokens=4))
+        eng.add_request("chunked", list(range(60, 120)), SamplingParams(max_tokens=4))
+
+    assert_forward_never_syncs(
+        model, CUDA, prepare=prepare, async_scheduling=False, max_num_batched_tokens=48
+    )

@@ -30,20 +30,17 @@ a device value on the host.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+# Shared with the paged-attention kernels: where Triton runs, the SM count, and the merge of
+# split-K partials (the same [T, H, splits, BLOCK_D] layout).
+from moetrace.kernels.triton_attention import _LOG2E, _combine_kernel, _num_sms, _use_triton
+
 MAX_SPLITS = 16
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    """Triton runs on CUDA tensors, or on CPU tensors under the interpreter (tests)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -371,7 +368,7 @@ def _mla_attention_kernel(
     )  # fmt: skip
 
     if NUM_SPLITS > 1:
-        # Unnormalised partials [T, H, S, BLOCK_DV] and (m, l) [T, H, S, 2]; _merge_kernel merges.
+        # Unnormalised partials [T, H, S, BLOCK_DV] and (m, l) [T, H, S, 2]; _combine_kernel merges.
         part = (tok * num_heads + head) * NUM_SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
@@ -382,47 +379,6 @@ def _mla_attention_kernel(
         tl.store(
             o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :]
         )
-
-
-@triton.jit
-def _merge_kernel(
-    part_acc_ptr,
-    part_ml_ptr,
-    out_ptr,
-    num_heads,
-    stride_ot,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """One (token, head): rescale each split's share to the common max and normalise."""
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    sp = tl.arange(0, NUM_SPLITS)
-    dv = tl.arange(0, BLOCK_DV)
-    part = (tok * num_heads + head) * NUM_SPLITS + sp
-    m = tl.load(part_ml_ptr + part * 2)
-    l_s = tl.load(part_ml_ptr + part * 2 + 1)
-    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_DV + dv[None, :])
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
-    total = tl.sum(w * l_s, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + dv
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: behave like an H200
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def decode_splits(num_seqs: int, head_groups: int, device: torch.device) -> int:
@@ -566,7 +522,7 @@ def _launch(
         num_stages=config.num_stages,
     )
     if splits > 1:
-        _merge_kernel[(num_tokens, num_heads)](
+        _combine_kernel[(num_tokens, num_heads)](
             part_acc,
             part_ml,
             out,
@@ -574,8 +530,9 @@ def _launch(
             out.stride(0),
             out.stride(1),
             NUM_SPLITS=splits,
-            DV=dv,
-            BLOCK_DV=block_dv,
+            SPLITS_P2=triton.next_power_of_2(splits),
+            HEAD_DIM=dv,
+            BLOCK_D=block_dv,
             num_warps=4 if block_dv >= 256 else 2,
         )
 
