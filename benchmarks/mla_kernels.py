@@ -32,6 +32,7 @@ import torch
 import triton
 from kernels import DEV, SMOKE, run_sections, try_bench
 
+from moetrace.forward_context import AttentionMetadata
 from moetrace.kernels import triton_mla as tk
 
 RANK, ROPE, NOPE, V_DIM, BLOCK = (32, 16, 16, 16, 4) if SMOKE else (512, 64, 128, 128, 16)
@@ -45,41 +46,47 @@ class Batch:
         nblk = [math.ceil(s / BLOCK) for s in seq_lens]
         num_blocks = sum(nblk)
         perm = torch.randperm(num_blocks, device=DEV).to(torch.int32)
-        self.tables = torch.zeros(len(seq_lens), max(nblk), dtype=torch.int32, device=DEV)
+        tables = torch.zeros(len(seq_lens), max(nblk), dtype=torch.int32, device=DEV)
         used = 0
         for b, n in enumerate(nblk):
-            self.tables[b, :n] = perm[used : used + n]
+            tables[b, :n] = perm[used : used + n]
             used += n
         self.cache = torch.randn(num_blocks, BLOCK, RANK + ROPE, dtype=DT, device=DEV)
         starts = [0]
         for q in q_lens:
             starts.append(starts[-1] + q)
-        self.qsl = torch.tensor(starts, dtype=torch.int32, device=DEV)
-        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-        self.context = sum(s for q, s in zip(q_lens, seq_lens, strict=True) if q > 1)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.zeros(starts[-1], dtype=torch.int64, device=DEV),  # unused
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+            block_tables=tables,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_size=BLOCK,
+            query_start_loc_host=starts,
+            seq_lens_host=list(seq_lens),
+            min_query_len=min(q_lens),
+        )
         tokens = starts[-1]
         self.q_nope = torch.randn(tokens, heads, NOPE, dtype=DT, device=DEV)
         self.q_rot = torch.randn(tokens, heads, ROPE, dtype=DT, device=DEV)
         self.q_latent = torch.randn(tokens, heads, RANK, dtype=DT, device=DEV)
         self.w_kv = torch.randn(heads * (NOPE + V_DIM), RANK, dtype=DT, device=DEV) * 0.05
         self.heads = heads
+        self.context = sum(s for q, s in zip(q_lens, seq_lens, strict=True) if q > 1)
 
-    def absorbed(self, out: torch.Tensor, config: tk.MLAConfig | None = None) -> torch.Tensor:
+    def absorbed(self, out: torch.Tensor, configs=None) -> torch.Tensor:
         return tk.absorbed_attention(
-            self.q_latent, self.q_rot, self.cache, self.qsl, self.seq_lens, self.tables,
-            0.1, out=out, config=config,
-        )  # fmt: skip
+            self.q_latent, self.q_rot, self.cache, self.meta, 0.1, out=out, configs=configs
+        )
+
+    def expansion(self) -> tk.Expansion:
+        tokens = self.q_nope.shape[0]
+        return tk.expand_context(self.cache, self.meta, self.w_kv, self.heads, num_rows=tokens)
 
     def expanded(self, out: torch.Tensor) -> torch.Tensor:
         """The layer's expanded form: gather the context, expand it, attend."""
-        rows, first = tk.gather_context(
-            self.cache, self.qsl, self.seq_lens, self.tables, self.context
-        )
-        kv = torch.nn.functional.linear(rows[:, :RANK], self.w_kv)
-        kv = kv.view(self.context, self.heads, NOPE + V_DIM)
-        return tk.expanded_attention(
-            self.q_nope, self.q_rot, kv, rows[:, RANK:], first, self.qsl, self.seq_lens, 0.1, out
-        )
+        return tk.expanded_attention(self.q_nope, self.q_rot, self.expansion(), self.meta, 0.1, out)
 
 
 def decode(name: str, heads: int) -> None:
@@ -90,7 +97,7 @@ def decode(name: str, heads: int) -> None:
         out = torch.empty_like(x.q_latent)
         nbytes = b * c * (RANK + ROPE) * 2 + 2 * x.q_latent.numel() * 2
         what = f"mla decode {name} B{b} ctx{c}"
-        default = tk.absorbed_config(b, b, heads, x.cache.device, single_query=False)
+        default, prefill_cfg = tk.absorbed_configs(b, heads, x.cache.device)
         ref = x.absorbed(out).clone()
         label = f"absorbed default N{default.block_n} w{default.num_warps} S{default.splits}"
         try_bench(what, label, partial(x.absorbed, out), nbytes=nbytes, graph=True)
@@ -101,7 +108,7 @@ def decode(name: str, heads: int) -> None:
                     cfg = tk.MLAConfig(1, block_h, block_n, splits, warps, 2)
                     if cfg == default or (c == ctx and splits > 2):
                         continue
-                    fn = partial(x.absorbed, out, cfg)
+                    fn = partial(x.absorbed, out, (cfg, prefill_cfg))
                     variant = f"absorbed N{block_n} w{warps} S{splits}"
                     try_bench(what, variant, fn, nbytes=nbytes, ref=ref, graph=True)
         if c == ctx:
@@ -117,13 +124,13 @@ def decode(name: str, heads: int) -> None:
 def plain_decode(x: Batch) -> torch.Tensor:
     """What the layer did on CUDA before the kernel: gather every sequence, attend in torch."""
     bs = x.cache.shape[1]
-    max_len = int(x.seq_lens.max())
-    blocks = x.tables[:, : -(-max_len // bs)].long()
+    max_len = x.meta.max_seq_len
+    blocks = x.meta.block_tables[:, : -(-max_len // bs)].long()
     rows = x.cache[blocks].reshape(blocks.shape[0], -1, RANK + ROPE)
     latent, k_rot = rows.split([RANK, ROPE], dim=-1)
     scores = torch.matmul(x.q_latent, latent.transpose(1, 2))
     scores = (scores + torch.matmul(x.q_rot, k_rot.transpose(1, 2))) * 0.1
-    past = torch.arange(latent.shape[1], device=DEV)[None, :] >= x.seq_lens[:, None]
+    past = torch.arange(latent.shape[1], device=DEV)[None, :] >= x.meta.seq_lens[:, None]
     scores = scores.masked_fill(past[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(DT)
     return torch.matmul(probs, latent)
@@ -140,20 +147,23 @@ def prefill(name: str, heads: int) -> None:
         flops_exp = 2 * tokens * heads * keys * (NOPE + ROPE + V_DIM)
         expand = 2 * x.context * RANK * heads * (NOPE + V_DIM)
         out_lat = torch.empty_like(x.q_latent)
-        default = tk.absorbed_config(tokens, nseq, heads, x.cache.device, single_query=False)
+        decode_cfg, default = tk.absorbed_configs(nseq, heads, x.cache.device)
         try_bench(what, f"absorbed default {tuple(default)}", partial(x.absorbed, out_lat),
                   flops=flops_abs)  # fmt: skip
         block_h = min(16, triton.next_power_of_2(heads))
         for bq, bn, warps in ((1, 32, 4), (2, 16, 8), (4, 32, 8)):
             cfg = tk.MLAConfig(bq, block_h, bn, 1, warps, 2)
-            try_bench(what, f"absorbed Q{bq} N{bn} w{warps}", partial(x.absorbed, out_lat, cfg),
-                      flops=flops_abs)  # fmt: skip
+            fn = partial(x.absorbed, out_lat, (decode_cfg, cfg))
+            try_bench(what, f"absorbed Q{bq} N{bn} w{warps}", fn, flops=flops_abs)
         out = torch.empty(tokens, heads, V_DIM, dtype=DT, device=DEV)
-        try_bench(what, "expanded: gather + GEMM + kernel", partial(x.expanded, out),
+        fits = "all fit" if x.context <= tokens else "none fit: absorbed serves them"
+        try_bench(what, f"expanded: gather + GEMM + kernel ({fits})", partial(x.expanded, out),
                   flops=flops_exp + expand)  # fmt: skip
-        rows, first = tk.gather_context(x.cache, x.qsl, x.seq_lens, x.tables, x.context)
-        kv = torch.nn.functional.linear(rows[:, :RANK], x.w_kv).view(x.context, heads, -1)
-        args = (x.q_nope, x.q_rot, kv, rows[:, RANK:], first, x.qsl, x.seq_lens, 0.1, out)
+        if x.context > tokens:  # what it would cost with buffers large enough
+            expansion = tk.expand_context(x.cache, x.meta, x.w_kv, heads, num_rows=x.context)
+        else:
+            expansion = x.expansion()
+        args = (x.q_nope, x.q_rot, expansion, x.meta, 0.1, out)
         for bq, bn, warps in ((64, 32, 8), (64, 64, 8), (128, 32, 8), (64, 32, 4)):
             cfg = tk.MLAConfig(bq, 1, bn, 1, warps, 2)
             fn = partial(tk.expanded_attention, *args, config=cfg)

@@ -49,6 +49,32 @@ def step_metadata(q_lens, seq_lens, tables: torch.Tensor, block_size: int) -> At
         block_size=block_size,
         query_start_loc_host=starts,
         seq_lens_host=list(seq_lens),
+        min_query_len=min(q_lens),
+    )
+
+
+def as_padded_step(meta: AttentionMetadata, empty_slots: int = 2) -> AttentionMetadata:
+    """The same step laid out as the engine's padded steps are: empty sequence slots after
+    the real ones, the block tables packed at their own width inside a wider view (the row
+    stride given on the device), no host lists."""
+    tables = meta.block_tables
+    seqs, width = tables.shape[0] + empty_slots, tables.shape[1]
+    flat = torch.full((seqs * width + 5,), -7, dtype=torch.int32)  # junk past the packed rows
+    flat[: tables.numel()] = tables.reshape(-1)
+    flat[tables.numel() : seqs * width] = 0
+    total = int(meta.query_start_loc[-1])
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=torch.cat([meta.query_start_loc, torch.full((empty_slots,), total)]).int(),
+        seq_lens=torch.cat([meta.seq_lens, torch.zeros(empty_slots, dtype=torch.int32)]),
+        block_tables=flat[: flat.numel() // seqs * seqs].view(seqs, -1),
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        block_size=meta.block_size,
+        query_start_loc_host=[],
+        seq_lens_host=[],
+        min_query_len=0,
+        block_table_stride=torch.tensor([width], dtype=torch.int32),
     )
 
 
@@ -66,15 +92,19 @@ def random_tables(seq_lens, block_size: int, num_blocks: int, gen) -> torch.Tens
 
 
 def to_device(meta: AttentionMetadata) -> AttentionMetadata:
-    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    names = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "block_table_stride")
+    for name in names:
+        if getattr(meta, name) is not None:
+            setattr(meta, name, getattr(meta, name).to(DEVICE))
     return meta
 
 
 class LatentBatch:
     """Sequences' latents and rope keys, the cached prefix written, queries for the new tokens."""
 
-    def __init__(self, q_lens, seq_lens, heads, rank, rope, dtype, *, block_size=4, seed=0):
+    def __init__(
+        self, q_lens, seq_lens, heads, rank, rope, dtype, *, block_size=4, seed=0, padded=False
+    ):
         gen = torch.Generator().manual_seed(seed)
         self.q_lens, self.seq_lens, self.rank = q_lens, seq_lens, rank
         num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
@@ -84,6 +114,7 @@ class LatentBatch:
             for b, s in enumerate(seq_lens)
         ]
         meta = step_metadata(q_lens, seq_lens, tables, block_size)
+        meta = as_padded_step(meta) if padded else meta
         # Unwritten rows hold NaN: a kernel that reads one poisons its output.
         self.cache = torch.full((num_blocks, block_size, rank + rope), float("nan"), dtype=dtype)
         self.latents = [torch.randn(s, rank, generator=gen).to(dtype) for s in seq_lens]
@@ -134,20 +165,22 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["plain-step", "padded-step"])
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize(
     "heads, rank, rope, dtype",
     [(4, 32, 16, torch.float32), (3, 15, 8, torch.float32), (16, 512, 64, HALF)],
     ids=["small", "odd-widths", "v2-widths"],
 )
-def test_absorbed_attention_matches_float64(step, heads, rank, rope, dtype):
+def test_absorbed_attention_matches_float64(step, heads, rank, rope, dtype, padded):
     q_lens, seq_lens = STEPS[step]
-    batch = LatentBatch(q_lens, seq_lens, heads, rank, rope, dtype, seed=len(step) + heads)
+    seed = len(step) + heads
+    batch = LatentBatch(q_lens, seq_lens, heads, rank, rope, dtype, seed=seed, padded=padded)
     batch.store()
     out = torch.full_like(batch.q_latent, float("nan"))
-    meta = batch.meta
-    args = (batch.cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3)
-    result = triton_mla.absorbed_attention(batch.q_latent, batch.q_rot, *args, out=out)
+    result = triton_mla.absorbed_attention(
+        batch.q_latent, batch.q_rot, batch.cache, batch.meta, 0.3, out=out
+    )
     assert result.data_ptr() == out.data_ptr()
     err = rel_err(out, batch.reference(0.3))
     assert err < TOL[dtype], f"relative error {err:.2e}"
@@ -159,29 +192,16 @@ def test_decode_splits_follow_the_batch_shape_and_agree():
     assert triton_mla.decode_splits(1, 1, cpu) == triton_mla.MAX_SPLITS
     assert triton_mla.decode_splits(256, 1, cpu) == 1
     assert triton_mla.decode_splits(64, 1, cpu) == 4
-    batch = LatentBatch([1] * 3, [40, 3, 70], 4, 32, 16, torch.float32, seed=3)
+    batch = LatentBatch([1] * 3, [40, 3, 70], 4, 32, 16, torch.float32, seed=3, padded=True)
     batch.store()
-    meta = batch.meta
-    args = (batch.cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
     ref = batch.reference(0.2)
+    prefill = triton_mla.MLAConfig(2, 4, 16, 1, 4, 1)
     for splits in (1, 2, 16):  # 16 splits over 3 keys leave most shares empty
-        cfg = triton_mla.MLAConfig(1, 4, 16, splits, 4, 1)
-        out = triton_mla.absorbed_attention(batch.q_latent, batch.q_rot, *args, config=cfg)
+        decode = triton_mla.MLAConfig(1, 4, 16, splits, 4, 1)
+        out = triton_mla.absorbed_attention(
+            batch.q_latent, batch.q_rot, batch.cache, batch.meta, 0.2, configs=(decode, prefill)
+        )
         assert rel_err(out, ref) < TOL[torch.float32], f"{splits} splits"
-
-
-def test_single_query_only_leaves_the_other_rows_alone():
-    batch = LatentBatch([1, 5, 1], [8, 5, 3], 4, 32, 16, torch.float32, seed=4)
-    batch.store()
-    meta = batch.meta
-    out = torch.full_like(batch.q_latent, float("nan"))
-    triton_mla.absorbed_attention(
-        batch.q_latent, batch.q_rot, batch.cache, meta.query_start_loc, meta.seq_lens,
-        meta.block_tables, 0.3, out=out, single_query_only=True,
-    )  # fmt: skip
-    single = torch.tensor([0, 6])
-    assert rel_err(out[single], batch.reference(0.3)[single]) < TOL[torch.float32]
-    assert torch.isnan(out[1:6]).all()
 
 
 def test_store_latent_writes_its_rows_and_skips_negative_slots():
@@ -196,43 +216,49 @@ def test_store_latent_writes_its_rows_and_skips_negative_slots():
     assert rows[batch.meta.slot_mapping[1]].isnan().all()  # its slot was skipped
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["plain-step", "padded-step"])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_expanded_attention_matches_float64(dtype):
-    """Per-head keys ``[k_nope ‖ k_rot]`` and values from the gathered context; decode rows skipped."""
+def test_the_two_forms_split_a_step_and_match_float64(dtype, padded):
+    """A decode, a prompt whose context fits the expanded buffers, a prompt chunk behind a
+    prefix that does not, a decode: the expanded form writes the fitting prompt's rows and
+    nothing else, the absorbed form every other row; each matches float64."""
     heads, nope, rope, v_dim, rank = 3, 16, 8, 24, 20
     q_lens, seq_lens = [1, 6, 4, 1], [9, 6, 10, 2]
     gen = torch.Generator().manual_seed(6)
-    batch = LatentBatch(q_lens, seq_lens, heads, rank, rope, dtype, seed=6)
+    batch = LatentBatch(q_lens, seq_lens, heads, rank, rope, dtype, seed=6, padded=padded)
     batch.store()
-    meta = batch.meta
     w_kv = (torch.randn(heads * (nope + v_dim), rank, generator=gen) * 0.3).to(dtype).to(DEVICE)
-    total = sum(s for q, s in zip(q_lens, seq_lens, strict=True) if q > 1)
-    rows, first = triton_mla.gather_context(
-        batch.cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, total
-    )
-    assert first.tolist() == [0, 0, 6, 16]
-    kv = torch.nn.functional.linear(rows[:, :rank], w_kv).view(total, heads, nope + v_dim)
+    # 12 rows: the 6-token prompt's context fits (rows 0-5), the chunk's 10 rows do not.
+    expansion = triton_mla.expand_context(batch.cache, batch.meta, w_kv, heads, num_rows=12)
+    assert expansion.kv_start[:4].tolist() == [0, 0, 6, 16]
     q_nope = torch.randn(sum(q_lens), heads, nope, generator=gen).to(dtype).to(DEVICE)
     out = torch.full((sum(q_lens), heads, v_dim), float("nan"), dtype=dtype, device=DEVICE)
-    triton_mla.expanded_attention(
-        q_nope, batch.q_rot, kv, rows[:, rank:], first, meta.query_start_loc, meta.seq_lens,
-        0.25, out,
+    triton_mla.expanded_attention(q_nope, batch.q_rot, expansion, batch.meta, 0.25, out)
+    latent_out = torch.full_like(batch.q_latent, float("nan"))
+    triton_mla.absorbed_attention(
+        batch.q_latent, batch.q_rot, batch.cache, batch.meta, 0.3, out=latent_out,
+        expansion=expansion,
     )  # fmt: skip
+    latent_ref = batch.reference(0.3)
     start = 0
-    for c, k, q_len, s in zip(batch.latents, batch.k_rots, q_lens, seq_lens, strict=True):
-        got = out[start : start + q_len]
-        if q_len == 1:
-            assert torch.isnan(got).all()
-        else:
-            kv_ref = (c.double() @ w_kv.cpu().double().T).view(s, heads, nope + v_dim)
-            keys = torch.cat([kv_ref[..., :nope], k.double()[:, None].expand(-1, heads, -1)], -1)
-            q = torch.cat([q_nope, batch.q_rot], -1)[start : start + q_len].cpu().double()
-            scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
-            visible = torch.arange(s)[None, :] <= torch.arange(s - q_len, s)[:, None]
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-            ref = torch.einsum("hqk,khv->qhv", probs, kv_ref[..., nope:])
-            assert rel_err(got, ref) < TOL[dtype]
+    for b, (c, k, q_len, s) in enumerate(
+        zip(batch.latents, batch.k_rots, q_lens, seq_lens, strict=True)
+    ):
+        rows = slice(start, start + q_len)
         start += q_len
+        if b != 1:  # the absorbed form's
+            assert torch.isnan(out[rows]).all()
+            assert rel_err(latent_out[rows], latent_ref[rows]) < TOL[dtype]
+            continue
+        assert torch.isnan(latent_out[rows]).all()
+        kv_ref = (c.double() @ w_kv.cpu().double().T).view(s, heads, nope + v_dim)
+        keys = torch.cat([kv_ref[..., :nope], k.double()[:, None].expand(-1, heads, -1)], -1)
+        q = torch.cat([q_nope, batch.q_rot], -1)[rows].cpu().double()
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
+        visible = torch.arange(s)[None, :] <= torch.arange(s - q_len, s)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        ref = torch.einsum("hqk,khv->qhv", probs, kv_ref[..., nope:])
+        assert rel_err(out[rows], ref) < TOL[dtype]
 
 
 # ---------------------------------------------------------------------------
@@ -264,7 +290,7 @@ def test_layer_kernels_match_the_plain_path(expand):
     layer = layer.to(DEVICE)
     gen = torch.Generator().manual_seed(8)
     tables = torch.randperm(12, generator=gen).view(3, 4)
-    # Expanded where the context is no larger than the step: [14, 10, 0, 0] rows.
+    # Expanded (where it fits) in the steps with prompt tokens: the first three.
     steps = [
         ([9, 5], [9, 5]),
         ([1, 6, 4], [10, 6, 4]),
@@ -282,8 +308,8 @@ def test_layer_kernels_match_the_plain_path(expand):
             meta = to_device(step_metadata(q_lens, seq_lens, tables, 4))
             with torch.no_grad(), forward_context(meta):
                 outputs[kernels].append(layer(x, lambda t: t * 0.5))
-            expanded.append(layer._expand_rows(meta, x.shape[0]))
-    assert expanded[4:] == ([14, 10, 0, 0] if expand else [0] * 4)
+            expanded.append(layer._expands(meta, x))
+    assert expanded[4:] == [expand, expand, expand, False]
     for plain, fast in zip(outputs[False], outputs[True], strict=True):
         assert rel_err(fast, plain) < TOL[torch.float32]
 

@@ -6,26 +6,29 @@ head (``qk_rope_head_dim``): ``cache [num_blocks, block_size, rank + rope]``.
 
 One attention kernel, two forms:
 
-- **absorbed** (any step; the only form inside a CUDA graph): the query's
+- **absorbed** (every step; the only form inside a CUDA graph): the query's
   no-rope part is taken through ``W_UK`` first (``q_lat = q_nope W_UK``), so
   ``score = q_lat · c + q_rot · k_rot`` is read straight off the cache; the
   output stays in latent space (``Σ p c``) and goes through ``W_UV`` after.
   Every head reads the same cache row, so a program packs ``BLOCK_H`` heads
   of one query (or a few queries) as the rows of its tile and each row read
-  from the cache serves them all.  Decode batches too small to fill the GPU
-  split each sequence's keys over several programs and merge the partial
-  softmaxes in a second kernel.
-- **expanded** (steps with prompt tokens, run eagerly): the context's latents
-  are gathered and expanded through ``kv_b_proj`` into per-head ``k_nope``
-  and ``v`` (one GEMM), and the kernel runs ordinary per-head attention over
-  them: ``score = q_nope · k_nope + q_rot · k_rot``, ``k_rot`` still shared.
-  Cheaper per query for long prompts (192-wide scores and 128-wide values
-  instead of 576 and 512); it costs one expansion per context token.
+  from the cache serves them all.
+- **expanded** (prompt tokens in eager steps): the cached rows of the
+  sequences with more than one query are gathered and expanded through
+  ``kv_b_proj`` into per-head ``k_nope`` and ``v`` (one GEMM), and the kernel
+  runs per-head attention over them: ``score = q_nope · k_nope + q_rot ·
+  k_rot``, ``k_rot`` still shared.  Cheaper per query for long prompts
+  (192-wide scores, 128-wide values, instead of 576 and 512); it costs one
+  expansion per context row.  The buffers hold as many rows as the step has
+  tokens, so their size is static and bounded by the step; sequences whose
+  context does not fit (behind a long cached prefix) stay in latent space.
 
-Launch grids depend only on tensor shapes (tokens, sequences, heads), never
-on query or context lengths: a program finds its sequence by a binary search
-over ``query_start_loc`` and stops if it has no queries there.  Nothing reads
-a device value on the host.
+As in ``triton_attention``, a step is launched as classes of sequences: the
+single-query ones (decode) with one program per sequence and head group, its
+keys split over several programs when the batch is too small to fill the GPU;
+the longer ones over flattened query tiles.  Grids depend on the step's token
+and sequence counts only; a program whose sequence belongs to another class
+or form returns at once.  Nothing reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -36,9 +39,19 @@ import torch
 import triton
 import triton.language as tl
 
-# Shared with the paged-attention kernels: where Triton runs, the SM count, and the merge of
-# split-K partials (the same [T, H, splits, BLOCK_D] layout).
-from moetrace.kernels.triton_attention import _LOG2E, _combine_kernel, _num_sms, _use_triton
+from moetrace.forward_context import AttentionMetadata
+
+# Shared with the paged-attention kernels: where Triton runs, the SM count, the device-side
+# block-table stride, the flattened-tile search and the merge of split-K partials (the same
+# per-sequence layout).
+from moetrace.kernels.triton_attention import (
+    _LOG2E,
+    _block_table_stride,
+    _combine_kernel,
+    _find_seq,
+    _num_sms,
+    _use_triton,
+)
 
 MAX_SPLITS = 16
 
@@ -123,38 +136,6 @@ def store_latent(
 # Attention
 # ---------------------------------------------------------------------------
 
-# Which sequences a launch serves (the two forms split a step between them).
-ALL_SEQS, SINGLE_QUERY_SEQS, MULTI_QUERY_SEQS = 0, 1, 2
-
-
-@triton.jit
-def _tile_start(query_start_loc_ptr, seq, BLOCK_Q: tl.constexpr):
-    """First grid index of ``seq``'s query tiles.
-
-    With ``BLOCK_Q == 1`` every token is a tile.  Otherwise sequence ``b``
-    owns the ``qsl[b+1] // BLOCK_Q - qsl[b] // BLOCK_Q + 1`` indices from
-    ``qsl[b] // BLOCK_Q + b`` (at least the ``cdiv(q_len, BLOCK_Q)`` it needs),
-    so the grid's size, ``T // BLOCK_Q + B``, depends on shapes alone.
-    """
-    start = tl.load(query_start_loc_ptr + seq)
-    if BLOCK_Q > 1:
-        start = start // BLOCK_Q + seq
-    return start
-
-
-@triton.jit
-def _find_tile(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
-    """(sequence, tile within it) of grid index ``pid``: the last sequence starting at or before."""
-    lo = num_seqs * 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _tile_start(query_start_loc_ptr, mid, BLOCK_Q) <= pid:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo, pid - _tile_start(query_start_loc_ptr, lo, BLOCK_Q)
-
 
 @triton.jit
 def _attend_rows(
@@ -183,26 +164,26 @@ def _attend_rows(
     DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    PAGED: tl.constexpr,
-    V_IS_K1: tl.constexpr,
+    EXPANDED: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi).  MASKED=False: every key is visible to every row.
 
-    Key ``j``'s row is its cache slot (``PAGED``, through the block table) or
-    ``kv_base + j`` of a contiguous buffer.  ``k1_ptr``, ``k2_ptr`` and ``v_ptr``
-    already point at this program's head.
+    Key ``j``'s row is its cache slot, through the block table (absorbed form:
+    ``k1`` is the latent, ``k2`` the rope key, the values are ``k1``), or row
+    ``kv_base + j`` of the expanded buffers (``k1_ptr`` and ``v_ptr`` already
+    point at the program's head).
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
-        if PAGED:
+        if EXPANDED:
+            row = (kv_base + j).to(tl.int64)
+        else:
             blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
             row = blk * BLOCK_SIZE + j % BLOCK_SIZE
-        else:
-            row = (kv_base + j).to(tl.int64)
         k1 = tl.load(
             k1_ptr + row[:, None] * stride_k1 + d1[None, :],
             mask=j_ok[:, None] & (d1 < D1)[None, :],
@@ -227,20 +208,20 @@ def _attend_rows(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_IS_K1:
-            v = k1
-        else:
+        if EXPANDED:
             v = tl.load(
                 v_ptr + row[:, None] * stride_v + dv[None, :],
                 mask=j_ok[:, None] & (dv < DV)[None, :],
                 other=0.0,
             )
+        else:
+            v = k1
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "expand_rows"])
 def _mla_attention_kernel(
     q1_ptr,
     q2_ptr,
@@ -253,9 +234,11 @@ def _mla_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    bt_stride_ptr,
     kv_start_ptr,
-    scale_log2,
     num_seqs,
+    expand_rows,
+    scale_log2,
     num_heads,
     stride_q1t,
     stride_q1h,
@@ -268,7 +251,6 @@ def _mla_attention_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
-    stride_bt,
     D1: tl.constexpr,
     D2: tl.constexpr,
     DV: tl.constexpr,
@@ -281,35 +263,45 @@ def _mla_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    ONE_QUERY_PER_SEQ: tl.constexpr,
-    SEQS: tl.constexpr,
-    PAGED: tl.constexpr,
-    V_IS_K1: tl.constexpr,
+    DECODE_CLASS: tl.constexpr,
+    EXPANDED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Causal attention of one tile: ``BLOCK_Q`` queries x ``BLOCK_H`` heads as its rows.
 
-    ``score = q1 · k1 + q2 · k2`` (the no-rope and rope parts), values ``v``.
-    Row r is query ``tile * BLOCK_Q + r // BLOCK_H``, head ``group * BLOCK_H + r % BLOCK_H``;
-    with per-head keys (the expanded form) ``BLOCK_H`` is 1.
+    ``score = q1 · k1 + q2 · k2`` (the no-rope and the rope part).  Row r is
+    query ``tile * BLOCK_Q + r // BLOCK_H``, head ``group * BLOCK_H + r % BLOCK_H``.
+
+    Which sequences a launch serves: decode class (program ``i`` is sequence
+    ``i``) the single-query ones; otherwise (flattened tiles, ``_find_seq``)
+    those with more queries, split between the forms: a sequence whose
+    context fits the expanded buffers (``kv_start[b] + seq_len <= expand_rows``)
+    is the expanded launch's, the others the absorbed one's.  Everything else
+    returns at once, so grids depend on the step's token and sequence counts alone.
     """
+    pid = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
-    if ONE_QUERY_PER_SEQ:
-        seq = tl.program_id(0)
+    if DECODE_CLASS:
+        seq = pid
         tile = 0
     else:
-        seq, tile = _find_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q)
+        seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+        tile = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile * BLOCK_Q >= q_len:
-        return
-    # Sequences the other form serves (SEQS: 1 single-query only, 2 multi-query only).
-    if SEQS == 1 and q_len > 1:
-        return
-    if SEQS == 2 and q_len == 1:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
+    kv_base = seq_len * 0
+    expanded = seq_len < 0
+    if expand_rows > 0:
+        kv_base = tl.load(kv_start_ptr + seq)
+        expanded = kv_base + seq_len <= expand_rows
+    if DECODE_CLASS:
+        mine = q_len == 1
+    else:
+        mine = (q_len > 1) & (expanded == EXPANDED)
+    if (not mine) or (tile * BLOCK_Q >= q_len):
+        return
     ctx_len = seq_len - q_len  # keys cached before this step's queries
 
     rows = tl.arange(0, BLOCK_M)
@@ -345,11 +337,8 @@ def _mla_attention_kernel(
     full = tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0)
     full_hi = kv_lo + full // BLOCK_N * BLOCK_N
 
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_base = 0
-    if not PAGED:
-        kv_base = tl.load(kv_start_ptr + seq)
-    # Per-head keys and values (expanded form) are offset by the program's head.
+    bt_row = block_tables_ptr + seq.to(tl.int64) * tl.load(bt_stride_ptr).to(tl.int64)
+    # Per-head keys and values (expanded form) start at the program's head.
     k1_head = k1_ptr + group.to(tl.int64) * stride_k1h
     v_head = v_ptr + group.to(tl.int64) * stride_vh
 
@@ -359,17 +348,17 @@ def _mla_attention_kernel(
     acc, m_i, l_i = _attend_rows(
         q1, q2, acc, m_i, l_i, kv_lo, full_hi, pos, k1_head, k2_ptr, v_head, bt_row, kv_base,
         scale_log2, d1, d2, dv, stride_k1, stride_k2, stride_v,
-        D1, D2, DV, BLOCK_N, BLOCK_SIZE, PAGED, V_IS_K1, False, DOT_PRECISION,
+        D1, D2, DV, BLOCK_N, BLOCK_SIZE, EXPANDED, False, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_rows(
         q1, q2, acc, m_i, l_i, full_hi, kv_hi, pos, k1_head, k2_ptr, v_head, bt_row, kv_base,
         scale_log2, d1, d2, dv, stride_k1, stride_k2, stride_v,
-        D1, D2, DV, BLOCK_N, BLOCK_SIZE, PAGED, V_IS_K1, True, DOT_PRECISION,
+        D1, D2, DV, BLOCK_N, BLOCK_SIZE, EXPANDED, True, DOT_PRECISION,
     )  # fmt: skip
 
     if NUM_SPLITS > 1:
-        # Unnormalised partials [T, H, S, BLOCK_DV] and (m, l) [T, H, S, 2]; _combine_kernel merges.
-        part = (tok * num_heads + head) * NUM_SPLITS + split
+        # Unnormalised partials per (decode sequence, head, split), merged by _combine_kernel.
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -406,32 +395,38 @@ class MLAConfig(NamedTuple):
     num_stages: int
 
 
-def absorbed_config(
-    num_tokens: int, num_seqs: int, num_heads: int, device: torch.device, *, single_query: bool
-) -> MLAConfig:
-    """Tiles of the absorbed form, chosen by the step's shape alone.
+def absorbed_configs(
+    num_seqs: int, num_heads: int, device: torch.device
+) -> tuple[MLAConfig, MLAConfig]:
+    """(decode class, prefill class) tiles of the absorbed form, by the step's shape alone.
 
-    One query per sequence (decode, or the decode sequences of a mixed step):
-    one query x up to 16 heads per tile (the fewest rows a tensor-core dot
-    takes; its float32 accumulator is 16 x 512), keys split by
-    ``decode_splits`` when every sequence has one query.  Tiles with prompt
-    tokens: 2 queries x 16 heads on 8 warps.  Compiled for sm_90 in 16-bit
-    these take 255 registers on 4 warps with 8-144 bytes of stack (decode)
-    and 213 on 8 warps with none (4 queries, or 64 keys per step, spill
-    0.3-3.5 KB); their speed is benchmarks/mla_kernels.py's to measure.
+    Decode: one query x up to 16 heads per tile (the fewest rows a tensor-core
+    dot takes; its float32 accumulator is 16 x 512), keys split by
+    ``decode_splits``.  Prefill: 2 queries x 16 heads on 8 warps.  Compiled
+    for sm_90 in 16-bit these take 255 registers on 4 warps with 16-160 bytes
+    of stack (decode) and 213 on 8 warps with none (4 queries, or 64 keys per
+    step, spill 0.3-3.5 KB); their speed is benchmarks/mla_kernels.py's to
+    measure.
     """
     block_h = min(16, triton.next_power_of_2(num_heads))
-    if num_tokens == num_seqs or single_query:
-        splits = 1
-        if num_tokens == num_seqs:
-            splits = decode_splits(num_seqs, triton.cdiv(num_heads, block_h), device)
-        return MLAConfig(1, block_h, 32, splits, 4, 2)
-    return MLAConfig(max(1, 32 // block_h), block_h, 32, 1, 8, 2)
+    splits = decode_splits(num_seqs, triton.cdiv(num_heads, block_h), device)
+    decode = MLAConfig(1, block_h, 32, splits, 4, 2)
+    prefill = MLAConfig(max(1, 32 // block_h), block_h, 32, 1, 8, 2)
+    return decode, prefill
 
 
-# Expanded form: 64 queries of one head per tile, 32 keys per step, 8 warps (the
-# tile that compiled without spilling: 64 or 128 keys per step spill 0.3-2 KB).
+# Expanded form: 64 queries of one head per tile, 32 keys per step, 8 warps (24 bytes of
+# stack on sm_90; 64 or 128 keys per step spill 0.3-2 KB).
 EXPANDED_CONFIG = MLAConfig(64, 1, 32, 1, 8, 2)
+
+
+class Expansion(NamedTuple):
+    """The expanded form's inputs: per-head ``k_nope ‖ v`` and the rope keys of the context
+    rows of the sequences that fit, and each sequence's first row."""
+
+    kv: torch.Tensor  # [rows, H, nope + v_dim]
+    k_rot: torch.Tensor  # [rows, rope] (a row view)
+    kv_start: torch.Tensor  # int32 [B]
 
 
 def _launch(
@@ -439,55 +434,50 @@ def _launch(
     q2: torch.Tensor,
     k1: torch.Tensor,
     k2: torch.Tensor,
-    v: torch.Tensor | None,
+    v: torch.Tensor,
     out: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    paging: tuple[torch.Tensor, int] | None,
-    kv_start: torch.Tensor | None,
+    meta: AttentionMetadata,
     scale: float,
-    head_strides: tuple[int, int],
     config: MLAConfig,
-    seqs: int,
+    *,
+    decode: bool,
+    expansion: Expansion | None,
+    expanded: bool,
+    head_strides: tuple[int, int],
 ) -> None:
-    """One launch of the attention kernel (the public wrappers say what each form passes).
-
-    ``k1``, ``k2`` and ``v`` (None: the values are k1) are 2-D row views whose
-    row is a cache slot (``paging = (block_tables, block_size)``) or a context
-    token of a contiguous buffer (``kv_start``: each sequence's first row);
-    ``head_strides`` are k1's and v's strides between heads (0 when shared).
-    """
+    """One launch of the attention kernel: the decode class, or the multi-query sequences
+    of one form.  ``k1``, ``k2`` and ``v`` are 2-D row views (a cache slot per row, or an
+    expanded context row); ``head_strides`` are k1's and v's strides between heads."""
     num_tokens, num_heads, d1 = q1.shape
     d2 = q2.shape[-1]
     dv = out.shape[-1]
-    num_seqs = seq_lens.shape[0]
-    one_query = num_tokens == num_seqs
-    bq, splits = config.block_q, config.splits
-    tiles = num_tokens if one_query or bq == 1 else num_tokens // bq + num_seqs
-    groups = triton.cdiv(num_heads, config.block_h)
+    num_seqs = meta.seq_lens.shape[0]
+    bq, splits = config.block_q, (config.splits if decode else 1)
+    programs = num_seqs if decode else num_tokens // bq + num_seqs
     block_dv = _block(dv)
     if splits > 1:
-        part_acc = q1.new_empty((num_tokens, num_heads, splits, block_dv), dtype=torch.float32)
-        part_ml = q1.new_empty((num_tokens, num_heads, splits, 2), dtype=torch.float32)
+        part_acc = q1.new_empty((num_seqs, num_heads, splits, block_dv), dtype=torch.float32)
+        part_ml = q1.new_empty((num_seqs, num_heads, splits, 2), dtype=torch.float32)
     else:
         part_acc = part_ml = out  # unused
-    tables, block_size = paging if paging is not None else (seq_lens[:, None], 1)
-    _mla_attention_kernel[(tiles, groups, splits)](
+    expand_rows = 0 if expansion is None else expansion.kv.shape[0]
+    _mla_attention_kernel[(programs, triton.cdiv(num_heads, config.block_h), splits)](
         q1,
         q2,
         k1,
         k2,
-        k1 if v is None else v,
+        v,
         out,
         part_acc,
         part_ml,
-        query_start_loc,
-        seq_lens,
-        tables,
-        seq_lens if kv_start is None else kv_start,
-        scale * _LOG2E,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        _block_table_stride(meta),
+        meta.seq_lens if expansion is None else expansion.kv_start,
         num_seqs,
+        expand_rows,
+        scale * _LOG2E,
         num_heads,
         q1.stride(0),
         q1.stride(1),
@@ -496,11 +486,10 @@ def _launch(
         k1.stride(0),
         head_strides[0],
         k2.stride(0),
-        k1.stride(0) if v is None else v.stride(0),
+        v.stride(0),
         head_strides[1],
         out.stride(0),
         out.stride(1),
-        tables.stride(0),
         D1=d1,
         D2=d2,
         DV=dv,
@@ -511,21 +500,20 @@ def _launch(
         BLOCK_H=config.block_h,
         BLOCK_M=max(16, bq * config.block_h),
         BLOCK_N=config.block_n,
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=meta.block_size,
         NUM_SPLITS=splits,
-        ONE_QUERY_PER_SEQ=one_query,
-        SEQS=seqs,
-        PAGED=paging is not None,
-        V_IS_K1=v is None,
+        DECODE_CLASS=decode,
+        EXPANDED=expanded,
         DOT_PRECISION=_dot_precision(q1.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if splits > 1:
-        _combine_kernel[(num_tokens, num_heads)](
+        _combine_kernel[(num_seqs, num_heads)](
             part_acc,
             part_ml,
             out,
+            meta.query_start_loc,
             num_heads,
             out.stride(0),
             out.stride(1),
@@ -545,22 +533,22 @@ def absorbed_attention(
     q_latent: torch.Tensor,
     q_rot: torch.Tensor,
     cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float,
     *,
     out: torch.Tensor | None = None,
-    single_query_only: bool = False,
-    config: MLAConfig | None = None,
+    expansion: Expansion | None = None,
+    configs: tuple[MLAConfig, MLAConfig] | None = None,
 ) -> torch.Tensor:
     """Causal attention in latent space: ``Σ_j softmax_j(scale (q_lat · c_j + q_rot · k_rot_j)) c_j``.
 
     ``q_latent [T, H, rank]`` (``q_nope`` through ``W_UK``) and ``q_rot [T, H, rope]``
     may be strided views; the step's own latents must be in ``cache`` already
     (``store_latent`` first).  Returns ``[T, H, rank]`` in ``out`` (any strides)
-    or a new tensor.  ``single_query_only``: rows of sequences with more than
-    one query are left unwritten (the expanded form serves them).
+    or a new tensor.  With ``expansion``, the rows of the sequences it holds
+    are left unwritten (``expanded_attention`` serves them).  Each class of
+    sequences is launched only if the step may hold one (``meta``'s query
+    lengths); skipping a class whose programs would all return changes nothing.
     """
     num_tokens, num_heads, rank = q_latent.shape
     width = cache.shape[-1]
@@ -570,104 +558,83 @@ def absorbed_attention(
         raise RuntimeError("absorbed_attention needs CUDA tensors (or TRITON_INTERPRET=1)")
     if out is None:
         out = q_latent.new_empty((num_tokens, num_heads, rank))
-    if num_tokens == 0:
+    if num_tokens == 0 or meta.max_query_len == 0:
         return out
-    if config is None:
-        config = absorbed_config(
-            num_tokens,
-            seq_lens.shape[0],
-            num_heads,
-            q_latent.device,
-            single_query=single_query_only,
-        )
-    rows = cache.view(-1, width)
-    _launch(
-        _rows_last_contiguous(q_latent),
-        _rows_last_contiguous(q_rot),
-        rows,
-        rows[:, rank:],
-        None,
-        out,
-        query_start_loc,
-        seq_lens,
-        paging=(block_tables, cache.shape[1]),
-        kv_start=None,
-        scale=scale,
-        head_strides=(0, 0),
-        config=config,
-        seqs=SINGLE_QUERY_SEQS if single_query_only else ALL_SEQS,
+    decode_cfg, prefill_cfg = configs or absorbed_configs(
+        meta.seq_lens.shape[0], num_heads, q_latent.device
     )
+    rows = cache.view(-1, width)
+    args = (_rows_last_contiguous(q_latent), _rows_last_contiguous(q_rot), rows, rows[:, rank:])
+    kw = dict(expansion=expansion, expanded=False, head_strides=(0, 0))
+    if meta.min_query_len <= 1:
+        _launch(*args, rows, out, meta, scale, decode_cfg, decode=True, **kw)
+    if meta.max_query_len > 1:
+        _launch(*args, rows, out, meta, scale, prefill_cfg, decode=False, **kw)
     return out
 
 
-def gather_context(
-    cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    total: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached rows ``[total, rank + rope]`` of every sequence with more than one query, one
-    sequence after another, and each sequence's first row (int32 ``[B]``).
+def expand_context(
+    cache: torch.Tensor, meta: AttentionMetadata, w_kv: torch.Tensor, num_heads: int, num_rows: int
+) -> Expansion:
+    """The expanded form's inputs for the multi-query sequences whose contexts fit, in
+    order, in ``num_rows`` rows: their cached rows gathered, the latents through
+    ``kv_b_proj`` (``w_kv [H * (nope + v_dim), rank]``) in one GEMM.
 
-    ``total`` is those sequences' summed lengths, which the caller knows on the
-    host: with it as ``output_size`` nothing here waits for the device.
+    Every size is static (``num_rows``) and nothing waits for the device; rows
+    past the last fitting sequence hold whatever slot they point at, and no
+    kernel reads them.
     """
-    num_seqs = seq_lens.shape[0]
-    block_size, width = cache.shape[1], cache.shape[-1]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    lens = torch.where(q_lens > 1, seq_lens, 0).to(torch.int64)
-    first = lens.cumsum(0) - lens
-    seq = torch.repeat_interleave(
-        torch.arange(num_seqs, device=cache.device), lens, output_size=total
-    )
-    j = torch.arange(total, device=cache.device) - first[seq]
-    slots = block_tables[seq, j // block_size].to(torch.int64) * block_size + j % block_size
-    return cache.view(-1, width)[slots], first.to(torch.int32)
+    width = cache.shape[-1]
+    rank = w_kv.shape[1]
+    bs = meta.block_size
+    starts = meta.query_start_loc.to(torch.int64)
+    lens = torch.where(starts[1:] - starts[:-1] > 1, meta.seq_lens.to(torch.int64), 0)
+    ends = lens.cumsum(0)
+    first = ends - lens
+    r = torch.arange(num_rows, device=cache.device)
+    seq = torch.searchsorted(ends, r, right=True).clamp_(max=lens.shape[0] - 1)
+    j = r - first[seq]
+    j = torch.where(j < lens[seq], j, 0)
+    stride = _block_table_stride(meta).to(torch.int64)
+    blocks = meta.block_tables.reshape(-1)[seq * stride + j // bs].to(torch.int64)
+    rows = cache.view(-1, width)[blocks * bs + j % bs]
+    kv = torch.nn.functional.linear(rows[:, :rank], w_kv).view(num_rows, num_heads, -1)
+    return Expansion(kv, rows[:, rank:], first.to(torch.int32))
 
 
 def expanded_attention(
     q_nope: torch.Tensor,
     q_rot: torch.Tensor,
-    kv: torch.Tensor,
-    k_rot: torch.Tensor,
-    kv_start: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
+    expansion: Expansion,
+    meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
     *,
     config: MLAConfig = EXPANDED_CONFIG,
 ) -> torch.Tensor:
-    """Per-head causal attention of the sequences with more than one query, over keys and
-    values expanded from their context (``gather_context``, then ``kv_b_proj``).
-
-    ``kv [C, H, nope + v_dim]`` holds each context token's ``k_nope ‖ v`` per head,
-    ``k_rot [C, rope]`` its rotated key part (a row view is fine), ``kv_start``
-    each sequence's first row.  Writes ``out [T, H, v_dim]`` (any strides) at
-    those sequences' tokens only.
-    """
-    num_ctx, num_heads, width = kv.shape
+    """Per-head causal attention of the multi-query sequences ``expansion`` holds, over
+    their expanded keys ``[k_nope ‖ k_rot]`` and values; writes those sequences' rows
+    of ``out [T, H, v_dim]`` (any strides) and no others."""
+    num_ctx, num_heads, width = expansion.kv.shape
     nope = q_nope.shape[-1]
-    if width != nope + out.shape[-1] or not kv.is_contiguous():
-        raise ValueError(f"kv {tuple(kv.shape)} is not a contiguous [C, H, nope + v_dim]")
-    if q_nope.shape[0] == 0 or num_ctx == 0:
+    if width != nope + out.shape[-1] or not expansion.kv.is_contiguous():
+        raise ValueError(f"kv {tuple(expansion.kv.shape)} is not a contiguous [C, H, nope + v]")
+    if q_nope.shape[0] == 0 or num_ctx == 0 or meta.max_query_len <= 1:
         return out
-    flat = kv.view(num_ctx, num_heads * width)
+    flat = expansion.kv.view(num_ctx, num_heads * width)
     _launch(
         _rows_last_contiguous(q_nope),
         _rows_last_contiguous(q_rot),
         flat,
-        _rows_last_contiguous(k_rot),
+        _rows_last_contiguous(expansion.k_rot),
         flat[:, nope:],
         out,
-        query_start_loc,
-        seq_lens,
-        paging=None,
-        kv_start=kv_start,
-        scale=scale,
+        meta,
+        scale,
+        config,
+        decode=False,
+        expansion=expansion,
+        expanded=True,
         head_strides=(width, width),
-        config=config,
-        seqs=MULTI_QUERY_SEQS,
     )
     return out

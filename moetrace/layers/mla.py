@@ -6,12 +6,12 @@ latent (``kv_lora_rank``) and the rotated key part shared by all heads
 packed in one row of one cache tensor per layer.
 
 On the GPU the Triton kernels (``kernels/triton_mla.py``) serve every step:
-decode in latent space (``kv_b_proj`` absorbed into the query and the
-output; the only form inside a CUDA graph), and steps with prompt tokens
-through keys and values expanded from the gathered context when that costs
-no more than the step's own tokens (one expansion GEMM, then 192-wide scores
-instead of 576-wide), in latent space otherwise (prefix hits and long
-contexts behind few new tokens).
+sequences with one new token in latent space (``kv_b_proj`` absorbed into
+the query and the output; the only form inside a CUDA graph), sequences
+with prompt tokens, in eager steps, through keys and values expanded from
+their gathered context (one expansion GEMM, then 192-wide scores instead of
+576-wide) as long as the contexts fit buffers of the step's token count, in
+latent space otherwise.
 
 The plain-torch path (CPU, float64, and the reference the kernels are tested
 against) expands each sequence's cached latents as the reference's
@@ -22,7 +22,6 @@ same attention, rounded differently), which it does on CUDA.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -70,11 +69,6 @@ def mla_softmax_scale(qk_dim: int, rope: dict) -> float:
         m = _yarn_mscale(rope["factor"], mscale_all_dim)
         scale = scale * m * m
     return scale
-
-
-def _has_single_query_seq(meta: AttentionMetadata) -> bool:
-    starts = meta.query_start_loc_host
-    return any(b - a == 1 for a, b in itertools.pairwise(starts))
 
 
 class LatentCache(PagedAttention):
@@ -136,7 +130,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(d.num_heads * d.v_dim, d.hidden, bias=bias)
         self.attn = LatentCache(dims, scale)
         self.absorbed_decode: bool | None = None  # plain path; None: on CUDA only
-        self.expand_prefill = True  # kernel path: the expanded form where it pays (module doc)
+        self.expand_prefill = True  # kernel path: the expanded form in eager steps (module doc)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         d, t = self.dims, x.shape[0]
@@ -178,8 +172,9 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention output [T, H, v_dim] through the Triton kernels.
 
-        Every sequence runs in latent space, except, in a step where the
-        expanded form pays (``_expand_rows``), those with more than one query.
+        Latent space for every sequence, except, in an eager step with prompt
+        tokens, the multi-query sequences whose context fits the expanded
+        buffers: the expanded form overwrites their rows.
         """
         from moetrace.kernels import triton_mla
 
@@ -188,59 +183,36 @@ class MultiHeadLatentAttention(nn.Module):
         triton_mla.store_latent(latent, k_rot, cache, meta.slot_mapping)
         w = self.kv_b_proj.weight.view(d.num_heads, d.nope_dim + d.v_dim, d.kv_lora_rank)
         w_uk, w_uv = w.split([d.nope_dim, d.v_dim], dim=1)
-        context = self._expand_rows(meta, t)
-        out = q_nope.new_empty(d.num_heads, t, d.v_dim)  # [H, T, v]: the W_UV product's layout
-        if not context or _has_single_query_seq(meta):
-            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, r]
-            out_latent = torch.empty_like(q_latent)
-            triton_mla.absorbed_attention(
-                q_latent.transpose(0, 1),
-                q_rot,
-                cache,
-                meta.query_start_loc,
-                meta.seq_lens,
-                meta.block_tables,
-                self.attn.scale,
-                out=out_latent.transpose(0, 1),
-                single_query_only=bool(context),
+        expansion = None
+        if self._expands(meta, q_nope):
+            expansion = triton_mla.expand_context(
+                cache, meta, self.kv_b_proj.weight, d.num_heads, num_rows=t
             )
-            torch.bmm(out_latent, w_uv.transpose(1, 2), out=out)
-        if context:
-            rows, first = triton_mla.gather_context(
-                cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, context
-            )
-            ctx_latent, ctx_rot = self.attn.split_rows(rows)
-            kv = self.kv_b_proj(ctx_latent).view(context, d.num_heads, d.nope_dim + d.v_dim)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, r]
+        out_latent = torch.empty_like(q_latent)
+        triton_mla.absorbed_attention(
+            q_latent.transpose(0, 1),
+            q_rot,
+            cache,
+            meta,
+            self.attn.scale,
+            out=out_latent.transpose(0, 1),
+            expansion=expansion,
+        )
+        out = torch.bmm(out_latent, w_uv.transpose(1, 2))  # [H, T, v]
+        if expansion is not None:
             triton_mla.expanded_attention(
-                q_nope,
-                q_rot,
-                kv,
-                ctx_rot,
-                first,
-                meta.query_start_loc,
-                meta.seq_lens,
-                self.attn.scale,
-                out.transpose(0, 1),
+                q_nope, q_rot, expansion, meta, self.attn.scale, out.transpose(0, 1)
             )
         return out.transpose(0, 1)
 
-    def _expand_rows(self, meta: AttentionMetadata, num_tokens: int) -> int:
-        """Context rows the expanded form would expand (0: not used this step).
-
-        Only outside CUDA graphs (it sizes buffers by host-side lengths), only
-        for sequences with more than one query, and only while the expansion
-        is no larger than the step: then the profiled largest step bounds its
-        memory and each expanded row serves at least one query.
-        """
-        if not self.expand_prefill or num_tokens == len(meta.seq_lens_host):
-            return 0
-        if self.o_proj.weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return 0
-        starts = meta.query_start_loc_host
-        context = sum(
-            s for s, a, b in zip(meta.seq_lens_host, starts, starts[1:], strict=False) if b - a > 1
-        )
-        return context if context <= num_tokens else 0
+    def _expands(self, meta: AttentionMetadata, q: torch.Tensor) -> bool:
+        """Whether this step runs the expanded form: it may hold prompt tokens, and it is
+        not being captured in a CUDA graph (where every step of the size, decode-only
+        ones too, would pay for the expansion GEMM)."""
+        if not self.expand_prefill or meta.max_query_len <= 1:
+            return False
+        return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def _expand(
         self, latent: torch.Tensor, k_rot: torch.Tensor
