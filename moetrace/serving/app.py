@@ -12,6 +12,7 @@ import traceback
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -31,6 +32,10 @@ def create_app(ctx: ServingContext) -> FastAPI:
     @app.exception_handler(FieldProblem)
     async def _field_problem(request: HttpRequest, exc: FieldProblem) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: HttpRequest, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it; no traceback for a hang-up
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:

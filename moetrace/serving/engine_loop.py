@@ -76,22 +76,21 @@ class EngineRequest:
 
 
 class RequestHandle:
-    """The event loop's side of one engine request: its events arrive on a queue."""
+    """The event loop's side of one engine request.
 
-    def __init__(self, request: EngineRequest) -> None:
+    Its events go to ``queue`` as ``(index, event)``; the engine requests of
+    one HTTP request share a queue, so one wait serves them all.
+    """
+
+    def __init__(self, request: EngineRequest, queue: asyncio.Queue, index: int = 0) -> None:
         self.request = request
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.done = False
+        self.queue = queue
+        self.index = index
+        self.done = False  # set by the reader once Finished or Failed arrived
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    async def next_event(self) -> Event:
-        event = await self.events.get()
-        if not isinstance(event, NewTokens):
-            self.done = True
-        return event
 
 
 @dataclass
@@ -291,4 +290,4 @@ class EngineLoop:
 
 def _put_all(events: list[tuple[RequestHandle, Event]]) -> None:
     for handle, event in events:
-        handle.events.put_nowait(event)
+        handle.queue.put_nowait((handle.index, event))

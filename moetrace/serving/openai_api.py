@@ -13,7 +13,6 @@ stream does, per chunk).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from moetrace.serving.protocol import (
     FieldProblem,
     SamplingFields,
 )
-from moetrace.serving.responses import DONE, error_body, now, read_body, sse, usage
+from moetrace.serving.responses import DONE, error_body, new_id, now, read_body, sse, usage
 
 router = APIRouter()
 
@@ -86,7 +85,7 @@ def _plan(
         raise FieldProblem(
             "stream_options.continuous_usage_stats", "not supported by moetrace serve"
         )
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    response_id = f"{prefix}-{new_id()}"
     requests, choices = [], []
     for p, ids in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt.{p}"

@@ -42,6 +42,8 @@ from moetrace.serving.engine_loop import EngineLoop
 from moetrace.signals import signal_name
 from moetrace.trace.writer import TraceWriter
 
+KEEP_ALIVE_S = 65  # seconds an idle keep-alive connection stays open
+
 
 @dataclass
 class ServeResult:
@@ -231,6 +233,10 @@ class Server:
             log_level=self.log_level,
             access_log=self.log_level in ("debug", "trace"),
             timeout_graceful_shutdown=self.shutdown_timeout_s,  # type: ignore[arg-type]
+            # Longer than clients keep idle connections (httpx 5 s, aiohttp 15 s): with uvicorn's
+            # default of 5 s, a pooled connection reused as the server drops it fails the request
+            # (seen here: 1 POST in 512 got a ReadError).
+            timeout_keep_alive=KEEP_ALIVE_S,
             lifespan="off",
         )
         ctx: ServingContext

@@ -12,7 +12,6 @@ list, one entry per sequence, as SGLang does.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +25,7 @@ from moetrace.serving.engine_loop import EngineRequest, Finished
 from moetrace.serving.generation import ClientGone, generate_all, stream_events
 from moetrace.serving.logprobs import sglang_logprobs
 from moetrace.serving.protocol import FieldProblem, GenerateRequest, GenerateSampling
-from moetrace.serving.responses import DONE, error_body, read_body, sse
+from moetrace.serving.responses import DONE, error_body, new_id, read_body, sse
 from moetrace.trace.records import FinishedRequest
 
 router = APIRouter()
@@ -46,7 +45,7 @@ def _prompts(ctx: ServingContext, req: GenerateRequest) -> tuple[list[list[int]]
 
 def _rids(req: GenerateRequest, count: int) -> list[str]:
     if req.rid is None:
-        return [uuid.uuid4().hex for _ in range(count)]
+        return [new_id() for _ in range(count)]
     rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
     if len(rids) != count:
         raise FieldProblem("rid", f"{len(rids)} rids for {count} prompts")
