@@ -35,7 +35,7 @@ from moetrace.models.demo import model_dir
 from moetrace.models.fingerprint import weights_digest
 from moetrace.models.loader import config_digest, read_config, resolve_dtype
 from moetrace.models.registry import resolve_architecture
-from moetrace.output_files import check_new_output
+from moetrace.output_files import check_new_output, check_not_an_input, model_inputs
 from moetrace.preflight import MemoryAsk, preflight
 from moetrace.prompt_shards import select_shard, shard_settings
 from moetrace.prompts import STDIN, PromptSpec, iter_prompts, line_limit
@@ -46,7 +46,8 @@ from moetrace.run_setup import (
     model_metadata,
     resolve_device,
 )
-from moetrace.signals import GracefulStop, Interrupted, signal_name
+from moetrace.signals import GracefulStop, Interrupted, on_signal_exit, signal_name
+from moetrace.trace.lock import TraceLock
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.resume import ResumePoint, check_settings, open_resume_point, result_settings
 from moetrace.trace.writer import TraceWriter
@@ -176,7 +177,8 @@ class Recording:
         if num_shards > 1:
             self.extra_settings.update(shard_settings(num_shards, shard_index))
         self.resume = resume and self.output.exists()
-        self._check_output()
+        self._lock: TraceLock | None = None
+        self._check_output(prompts, model)
         prompt_reader = iter_prompts(prompts, skip_invalid=skip_invalid)
         self.reader = select_shard(prompt_reader, num_shards, shard_index)
         self.source = self.reader.source
@@ -188,13 +190,30 @@ class Recording:
         self.max_model_len = model_context_length(model, self.config, engine.max_model_len)
         prompt_reader.max_line_bytes = line_limit(self.max_model_len)
         self.resume_point: ResumePoint | None = None
-        if self.resume:
-            self.resume_point = open_resume_point(self.output, self._expected_settings())
         self._largest = _Largest()
         self.total: int | None = None  # requests this run will record, when known
         self.expected_requests: int | None = None  # valid requests in the input, when known
-        if not self.streaming:
-            self.total = self._prevalidate()
+        # From here this run owns the output: a second run on it is refused (trace/lock.py).
+        self._lock = TraceLock(self.output).acquire()
+        self._forget_lock = on_signal_exit(self._lock.release)
+        try:
+            if self.resume:
+                self.resume_point = open_resume_point(self.output, self._expected_settings())
+            if not self.streaming:
+                self.total = self._prevalidate()
+        except BaseException:
+            self.release_output()
+            raise
+
+    def release_output(self) -> None:
+        """Let another run write the output (after ``run``, or for a run that never starts)."""
+        if self._lock is not None:
+            self._forget_lock()
+            self._lock.release()
+            self._lock = None
+
+    def __del__(self) -> None:
+        self.release_output()
 
     def _preflight(self) -> None:
         """The model built on ``meta`` against the weights' headers and the device's memory."""
@@ -210,7 +229,10 @@ class Recording:
             whole_model_on_device=int(self.extra_settings.get("tensor_parallel_size", 1)) <= 1,
         )
 
-    def _check_output(self) -> None:
+    def _check_output(self, prompts: str, model: str) -> None:
+        inputs = [*model_inputs(model_dir(model))]
+        inputs.append(("the prompt file", 0) if prompts == STDIN else ("the prompt file", prompts))
+        check_not_an_input(self.output, inputs)
         check_new_output(self.output, overwrite=self.overwrite or self.resume, resume=True)
 
     def _expected_settings(self) -> dict:
@@ -364,6 +386,7 @@ class Recording:
         return TraceWriter(
             self.output,
             metadata,
+            lock=self._lock,
             overwrite=self.overwrite,
             append=point is not None,
             keep_requests=None if point is None else point.keep_requests,
@@ -384,6 +407,14 @@ class Recording:
         self, progress: ProgressCallback | None = None, stop: GracefulStop | None = None
     ) -> RecordResult:
         """Record every prompt; ``stop`` (armed once the file is open) ends the run early."""
+        if self._lock is None:
+            raise RuntimeError("a Recording runs once")
+        try:
+            return self._run(progress, stop)
+        finally:
+            self.release_output()
+
+    def _run(self, progress: ProgressCallback | None, stop: GracefulStop | None) -> RecordResult:
         startup = {"set-up": time.perf_counter() - moetrace.STARTED}
         with _out_of_memory_is_one_line(self.device):
             ready = load_engine(self)

@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 
 from moetrace.errors import MoetraceError
-from moetrace.output_files import check_new_output
+from moetrace.output_files import check_new_output, check_not_an_input
 from moetrace.prompt_shards import check_shard_set
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace
@@ -135,9 +135,7 @@ def merge_traces(
     if not shard_paths:
         raise MoetraceError("give at least one shard to merge")
     out = Path(output)
-    for p in shard_paths:
-        if Path(p).exists() and out.exists() and Path(p).resolve() == out.resolve():
-            raise MoetraceError(f"the output {out} is also a shard")
+    check_not_an_input(out, [(f"the shard {p}", p) for p in shard_paths])
     check_new_output(out, overwrite=overwrite)
     shards = []
     try:

@@ -8,8 +8,15 @@ from pathlib import Path
 
 import typer
 
+from moetrace.cli.trace_notes import note_if_being_written
 from moetrace.errors import MoetraceError
-from moetrace.output_files import STDOUT, check_new_output, refuse_binary_terminal, replacing
+from moetrace.output_files import (
+    STDOUT,
+    check_new_output,
+    check_not_an_input,
+    refuse_binary_terminal,
+    replacing,
+)
 from moetrace.trace.reader import open_trace
 
 
@@ -65,8 +72,10 @@ def export_command(
         if fmt in BINARY_FORMATS:
             refuse_binary_terminal(fmt, sys.stdout)
     else:
+        check_not_an_input(output, [("the trace being exported", trace_path)])
         check_new_output(output, overwrite=overwrite)
     with open_trace(trace_path) as trace:
+        note_if_being_written(trace)
         rows_layout = Layout.of(trace, layout)
         positions = select_positions(trace, request, request_range)
         check_format(fmt, trace.num_requests if positions is None else len(positions))

@@ -49,10 +49,12 @@ def import_command(
     Example: moetrace import vllm_out.jsonl --model ~/models/Qwen3-30B-A3B -o vllm.h5
     """
     from moetrace.analysis.importers import ENGINES, Importer, model_shape, read_values, sequences
+    from moetrace.output_files import check_not_an_input
     from moetrace.trace.writer import TraceWriter
 
     if engine not in ENGINES:
         raise MoetraceError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    check_not_an_input(output, [(f"the response file {p}", p) for p in responses if p != "-"])
     shape = model_shape(
         model,
         num_layers=num_layers,

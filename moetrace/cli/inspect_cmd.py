@@ -11,6 +11,7 @@ from rich.console import Console
 
 from moetrace.analysis.views import registry
 from moetrace.cli.pipes import StdoutConsole
+from moetrace.cli.trace_notes import note_if_being_written
 from moetrace.trace.reader import open_trace
 
 VIEW_HELP = "; ".join(f"{v.name}: {v.help}" for v in registry())
@@ -104,6 +105,7 @@ def inspect_command(
         if "load" not in (opts.views or ["load"]):
             opts.views = [*opts.views, "load"]
     with open_trace(trace_path) as trace:
+        note_if_being_written(trace)
         report = inspect_report(trace, opts)
     if plot is not None:
         _plot(report, plot)

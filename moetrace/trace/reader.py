@@ -18,6 +18,7 @@ import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import expected_num_rows, plain_value, request_checksum
+from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
 from moetrace.trace.records import (
     ARRAYS,
@@ -65,10 +66,25 @@ class Trace:
         self.path = Path(path)
         if not self.path.is_file():
             raise MoetraceError(f"no such trace file: {self.path}")
+        # A run writing it holds its lock (trace/lock.py): what is flushed reads, and the
+        # records past it are left out as after a kill; a failed read says why it may fail.
+        self.writer_pid = writer_pid(self.path)
+        try:
+            self._open()
+        except MoetraceError as exc:
+            if self.writer_pid is None:
+                raise
+            pid = f" (pid {self.writer_pid})" if self.writer_pid else ""
+            raise MoetraceError(
+                f"{self.path} is being written by a running moetrace{pid} and did not read "
+                f"consistently ({exc}); read it again, or once the run is done"
+            ) from None
+
+    def _open(self) -> None:
         if not h5py.is_hdf5(self.path):
             raise MoetraceError(f"not an HDF5 file: {self.path}")
         try:
-            # No locking: lets `inspect` look at a trace that is still being recorded.
+            # No HDF5 locking: lets `inspect` look at a trace that is still being recorded.
             self._file = h5py.File(self.path, "r", locking=False)
         except OSError as exc:
             raise MoetraceError(f"cannot open trace file {self.path}: {exc}") from None

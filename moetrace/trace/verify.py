@@ -32,6 +32,7 @@ import h5py
 
 from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import FIXED_ATTRS, metadata_crc, record_crc
+from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.reader import Trace
 from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS
@@ -48,6 +49,7 @@ class VerifyReport:
     expected_requests: int | None = None  # None: unknown (standard input)
     end_reason: str = ""
     dropped: int = 0  # tail records not backed by data
+    being_written: int | None = None  # pid of the run writing it (0: unknown), None: nobody
 
     @property
     def status(self) -> str:
@@ -65,6 +67,12 @@ class VerifyReport:
         held = f"{self.num_requests}{of} requests, {self.num_rows:,} rows"
         if self.status == "ok":
             return f"{self.path}: ok, complete: {held}, every checksum matches"
+        if self.being_written is not None:
+            pid = f" (pid {self.being_written})" if self.being_written else ""
+            return (
+                f"{self.path}: incomplete, being written by a running moetrace{pid}: {held} "
+                "flushed so far; check it again when the run is done"
+            )
         if self.status == "incomplete":
             why = f" ({self.end_reason})" if self.end_reason else ""
             return (
@@ -90,6 +98,7 @@ class VerifyReport:
             "end_reason": self.end_reason,
             "problems": self.problems,
             "notes": self.notes,
+            "being_written_by": self.being_written,
         }
 
 
@@ -102,6 +111,18 @@ def verify_trace(
     crash.  ``verify_guarded`` runs this in a child process and reports those.
     """
     path = Path(path)
+    writer = writer_pid(path)
+    report = _verify(path, progress)
+    if writer is not None or (report.problems and (writer := writer_pid(path)) is not None):
+        # HDF5 without SWMR reads a file that changes under it inconsistently: what looks
+        # damaged now may be a write in progress, so it is not called damaged.
+        report.being_written = writer
+        report.notes += [f"read while being written: {p}" for p in report.problems]
+        report.problems = []
+    return report
+
+
+def _verify(path: Path, progress: Callable[[], None] | None) -> VerifyReport:
     if not path.is_file():
         raise MoetraceError(f"no such trace file: {path}")
     if not h5py.is_hdf5(path):
@@ -293,6 +314,9 @@ def verify_guarded(path: str | os.PathLike, stall_s: float = STALL_S) -> VerifyR
 
 
 def _stuck(path: Path, why: str) -> VerifyReport:
+    writer = writer_pid(path)
+    if writer is not None:  # a file changing under HDF5 can trip it up too
+        return VerifyReport(path, notes=[f"read while being written: {why}"], being_written=writer)
     return VerifyReport(path, problems=[f"cannot be read (corrupted): {why}"])
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from moetrace._version import __version__
 from moetrace.errors import MoetraceError
+from moetrace.output_files import check_replaceable
 from moetrace.trace.diskspace import (
     RESERVE_ENV,
     DiskFullError,
@@ -42,6 +43,7 @@ from moetrace.trace.diskspace import (
     reserve_from_env,
 )
 from moetrace.trace.integrity import expected_num_rows, metadata_crc, record_crc, request_checksum
+from moetrace.trace.lock import TraceLock
 from moetrace.trace.metadata import FORMAT_NAME, TraceMetadata
 from moetrace.trace.records import (
     ARRAYS,
@@ -203,6 +205,7 @@ class TraceWriter:
         keep_requests: int | None = None,
         expected_requests: int | None = None,
         reserve_bytes: int | None = None,
+        lock: TraceLock | None = None,
     ) -> None:
         if chunk_rows < 1 or flush_every_requests < 1 or queue_size < 1:
             raise ValueError("chunk_rows, flush_every_requests and queue_size must be >= 1")
@@ -221,6 +224,9 @@ class TraceWriter:
         self.keep_requests = keep_requests
         self.expected_requests = expected_requests
         self.reserve_bytes = reserve_from_env() if reserve_bytes is None else reserve_bytes
+        # The caller's lock on the output (held from its own checks on), else one of our own.
+        self._lock = lock
+        self._own_lock: TraceLock | None = None
         self._arrays = written_arrays(metadata)
         self._columns = COLUMNS  # of the table written to (an older file's may end earlier)
         # Built under a temporary name and renamed once its header is on disk, so that a
@@ -245,6 +251,21 @@ class TraceWriter:
         """Create (or reopen) the file and start the thread; ``MoetraceError`` if unusable."""
         if self._thread is not None:
             raise RuntimeError("TraceWriter already started")
+        check_replaceable(self.path)
+        if self._lock is None:
+            self._own_lock = TraceLock(self.path).acquire()
+        try:
+            return self._start()
+        except BaseException:
+            self._release_own_lock()
+            raise
+
+    def _release_own_lock(self) -> None:
+        if self._own_lock is not None:
+            self._own_lock.release()
+            self._own_lock = None
+
+    def _start(self) -> TraceWriter:
         parent = self.path.parent if str(self.path.parent) else Path(".")
         if self.reserve_bytes and parent.is_dir() and free_bytes(self.path) < self.reserve_bytes:
             raise DiskFullError(
@@ -311,11 +332,14 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None and self._thread.is_alive():
-            reason = end_reason or ("complete" if complete else "stopped")
-            self._queue.put((_CLOSE, (complete, reason, skipped_inputs)))
-            self._thread.join()
-        self._raise_thread_error()
+        try:
+            if self._thread is not None and self._thread.is_alive():
+                reason = end_reason or ("complete" if complete else "stopped")
+                self._queue.put((_CLOSE, (complete, reason, skipped_inputs)))
+                self._thread.join()
+            self._raise_thread_error()
+        finally:
+            self._release_own_lock()
 
     def __enter__(self) -> TraceWriter:
         return self.start()
@@ -462,6 +486,7 @@ class TraceWriter:
     def _publish(self) -> None:
         """Give the finished header its real name; never replaces a file unless overwriting."""
         if self.overwrite:
+            check_replaceable(self.path)  # again: the path may have changed since start()
             os.replace(self._creating, self.path)
             return
         try:
