@@ -207,7 +207,7 @@ class Recording:
 
     def release_output(self) -> None:
         """Let another run write the output (after ``run``, or for a run that never starts)."""
-        if self._lock is not None:
+        if getattr(self, "_lock", None) is not None:  # (__del__ of a half-built Recording)
             self._forget_lock()
             self._lock.release()
             self._lock = None

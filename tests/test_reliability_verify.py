@@ -195,8 +195,10 @@ def test_creation_leaves_no_half_written_file(tmp_path):
     """The header is written under a temporary name and renamed: a kill never leaves a stub."""
     md = make_metadata()
     w = TraceWriter(tmp_path / "t.h5", md).start()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
+    # Beside it while it is written: the writer's lock (trace/lock.py), gone once closed.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".t.h5.lock", "t.h5"]
     w.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
     (tmp_path / "u.h5").mkdir()
     with pytest.raises(MoetraceError, match="is a directory"):
         TraceWriter(tmp_path / "u.h5", md).start()

@@ -73,8 +73,9 @@ class TraceLock:
                 self._fd = fd
             else:
                 os.close(fd)
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
+        with contextlib.suppress(OSError):  # the pid is for messages only (a full disk refuses it)
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, f"{os.getpid()}\n".encode())
         return self
 
     def release(self) -> None:
