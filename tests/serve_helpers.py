@@ -97,7 +97,7 @@ class ServerProcess:
 
 
 def record_demo(
-    tmp: Path, lines: list[dict], max_tokens: int, device: str = "cpu"
+    tmp: Path, lines: list[dict], max_tokens: int, device: str = "cpu", *extra: str
 ) -> dict[str, dict]:
     """What ``moetrace record`` writes for ``lines`` (greedy): id -> tokens and rows."""
     import json
@@ -109,7 +109,7 @@ def record_demo(
     out = tmp / "record.h5"
     proc = subprocess.run(
         [sys.executable, "-m", "moetrace", "record", "demo", str(prompts), "-o", str(out)]
-        + ["--max-tokens", str(max_tokens), "--quiet", "--device", device],
+        + ["--max-tokens", str(max_tokens), "--quiet", "--device", device, *extra],
         capture_output=True,
         text=True,
         timeout=300,

@@ -481,3 +481,21 @@ def test_penalties_and_min_tokens_reach_the_engine(client):
             model="demo", prompt="x", max_tokens=4, extra_body={"min_tokens": 9}
         )
     assert "min_tokens" in err.value.body["message"]
+
+
+def test_tensor_parallel_server_returns_what_tensor_parallel_record_writes(tmp_path):
+    lines = [{"id": k, "prompt": v} for k, v in PROMPTS.items()]
+    recorded = record_demo(tmp_path, lines, MAX_TOKENS, "cpu", "--tensor-parallel-size", "2")
+    srv = ServerProcess(
+        "demo", "--device", "cpu", "--tensor-parallel-size", "2", "--enable-return-routed-experts"
+    )
+    try:
+        for key, prompt in PROMPTS.items():
+            body = {"prompt": prompt, **greedy(), "return_token_ids": True}
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == recorded[key]["output"]
+            rows = moe_layers(vllm_decode(choice["routed_experts"]))
+            np.testing.assert_array_equal(rows, recorded[key]["rows"])
+    finally:
+        assert srv.stop() == 0, srv.stderr
