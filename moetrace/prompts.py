@@ -32,9 +32,32 @@ MIN_MAX_LINE_BYTES = 1 << 20
 DEFAULT_MAX_LINE_BYTES = 256 << 20  # without a model to size it (the parser on its own)
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
+# vLLM's SamplingParams fields a line may set (OpenAI's, and vLLM's extra ones).
+SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "stop",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "n",
+    "logprobs",
+)
+_FLAGS = ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos")
 _ALIASES = {"max_completion_tokens": "max_tokens"}
-_REQUEST_KEYS = (*PROMPT_KEYS, *SAMPLING_KEYS, *_ALIASES)
+# How a prompt becomes token ids (vLLM's names): special tokens, the chat template's inputs.
+ENCODING_KEYS = ("add_special_tokens", "chat_template_kwargs", "add_generation_prompt")
+_CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt")
+_REQUEST_KEYS = (*PROMPT_KEYS, *SAMPLING_KEYS, *_ALIASES, *ENCODING_KEYS)
 _PLAIN_KEYS = ("id", *_REQUEST_KEYS)
 
 BATCH_KEYS = ("custom_id", "method", "url", "body")
@@ -42,7 +65,9 @@ BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # Body keys that do not change what is computed; accepted and dropped.
 _BODY_IGNORED = ("model", "user", "metadata", "store")
 # Body keys accepted only with the value that matches what moetrace does anyway.
-_BODY_FIXED = {"n": 1, "stream": False}
+_BODY_FIXED = {"stream": False}
+# The chat API's logprobs: a flag, and how many most likely tokens (OpenAI's names).
+_CHAT_LOGPROBS = ("logprobs", "top_logprobs")
 
 
 @dataclass
@@ -52,7 +77,7 @@ class PromptSpec:
     Exactly one of ``text``, ``token_ids`` and ``messages`` is set.
     ``sampling`` holds only the overrides given on the line, under the keys in
     ``SAMPLING_KEYS`` (``max_completion_tokens`` arrives as ``max_tokens``;
-    ``top_k`` 0 means off, -1 is normalized to 0).
+    ``top_k`` 0 means off, -1 is normalized to 0; ``stop`` is a list).
     """
 
     id: str
@@ -62,6 +87,9 @@ class PromptSpec:
     token_ids: list[int] | None = None
     messages: list[dict] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    # add_special_tokens (None: vLLM's default, True for text, False for a chat),
+    # chat_template_kwargs, add_generation_prompt: as given on the line.
+    encoding: dict[str, Any] = field(default_factory=dict)
 
 
 class _DuplicateKey(Exception):
@@ -112,6 +140,9 @@ class _Line:
     source: str
     line: int
     prefix: str = ""  # "body." inside an OpenAI batch line
+    # Unknown fields met on this line when they are ignored (--ignore-unknown-fields); None:
+    # an unknown field is an error.
+    ignored: list[str] | None = None
 
     def error(self, field: str | None, problem: str) -> InputError:
         return InputError(
@@ -119,12 +150,15 @@ class _Line:
         )
 
     def nested(self, prefix: str) -> _Line:
-        return _Line(self.source, self.line, self.prefix + prefix)
+        return _Line(self.source, self.line, self.prefix + prefix, self.ignored)
 
 
 def _check_keys(where: _Line, obj: dict, allowed: tuple[str, ...]) -> None:
     for key in obj:
         if key not in allowed:
+            if where.ignored is not None:
+                where.ignored.append(where.prefix + key)
+                continue
             close = difflib.get_close_matches(key, allowed, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise where.error(key, f"unknown field{hint}")
@@ -209,13 +243,28 @@ def _sampling(where: _Line, key: str, name: str, value: Any) -> Any:
     """Validate one override; ``name`` is the canonical key, ``key`` as written."""
     if name == "stop_token_ids":
         return _token_ids(where, key, value, allow_empty=True)
+    if name == "stop":  # vLLM takes one string or a list of them
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+            raise where.error(key, f"expected a string or a list of strings, got {_show(value)}")
+        if any(not x for x in stops):
+            raise where.error(key, "a stop string cannot be empty")
+        return [_text(where, key, x) for x in stops]
+    if name in _FLAGS:
+        return _flag(where, key, value)
     problem = sampling_problem(name, value)  # the same rules as the command line's
     if problem is not None:
         raise where.error(key, f"{problem}, got {_show(value)}")
-    if name in ("temperature", "top_p"):
+    if name in ("temperature", "top_p", "min_p") or name.endswith("_penalty"):
         return float(value)
     if name == "top_k":
         return max(value, 0)
+    return value
+
+
+def _flag(where: _Line, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(key, f"expected true or false, got {_show(value)}")
     return value
 
 
@@ -225,10 +274,13 @@ class _Request:
     token_ids: list[int] | None = None
     messages: list[dict] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    encoding: dict[str, Any] = field(default_factory=dict)
 
 
-def _request(where: _Line, obj: dict, prompt_keys: tuple[str, ...]) -> _Request:
-    """Read the prompt and sampling keys shared by both line formats."""
+def _request(
+    where: _Line, obj: dict, prompt_keys: tuple[str, ...], sampling_keys: tuple[str, ...]
+) -> _Request:
+    """Read the prompt, sampling and encoding keys shared by both line formats."""
     given = [k for k in prompt_keys if obj.get(k) is not None]
     if not given:
         names = " or ".join(f"'{where.prefix}{k}'" for k in prompt_keys)
@@ -253,7 +305,7 @@ def _request(where: _Line, obj: dict, prompt_keys: tuple[str, ...]) -> _Request:
         if not req.text:
             raise where.error(key, "empty prompt")
 
-    for raw_key in (*SAMPLING_KEYS, *_ALIASES):
+    for raw_key in (*sampling_keys, *_ALIASES):
         if obj.get(raw_key) is None:  # null means "use the default"
             continue
         canonical = _ALIASES.get(raw_key, raw_key)
@@ -262,12 +314,45 @@ def _request(where: _Line, obj: dict, prompt_keys: tuple[str, ...]) -> _Request:
                 raw_key, f"conflicts with '{where.prefix}{canonical}' (give only one)"
             )
         req.sampling[canonical] = _sampling(where, raw_key, canonical, obj[raw_key])
+    req.encoding = _encoding(where, obj, chat=req.messages is not None)
     return req
+
+
+def _encoding(where: _Line, obj: dict, *, chat: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ENCODING_KEYS:
+        value = obj.get(key)
+        if value is None:
+            continue
+        if key in _CHAT_ONLY and not chat:
+            raise where.error(key, "only for a chat prompt ('messages')")
+        if key == "chat_template_kwargs":
+            if not isinstance(value, dict):
+                raise where.error(key, f"expected an object, got {_show(value)}")
+            out[key] = value
+        else:
+            out[key] = _flag(where, key, value)
+    return out
+
+
+def _chat_logprobs(where: _Line, body: dict) -> int | None:
+    """The chat API's ``logprobs`` (a flag) and ``top_logprobs`` as vLLM's one number."""
+    wanted = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if wanted is not None:
+        _flag(where, "logprobs", wanted)
+    if top is not None:
+        problem = sampling_problem("logprobs", top)
+        if problem is not None:
+            raise where.error("top_logprobs", f"{problem}, got {_show(top)}")
+        if not wanted:
+            raise where.error("top_logprobs", "needs 'logprobs': true")
+    return (top or 0) if wanted else None
 
 
 def _parse_plain(where: _Line, obj: dict) -> tuple[_Request, str | None]:
     _check_keys(where, obj, _PLAIN_KEYS)
-    req = _request(where, obj, PROMPT_KEYS)
+    req = _request(where, obj, PROMPT_KEYS, SAMPLING_KEYS)
     rid = None if obj.get("id") is None else _request_id(where, "id", obj["id"])
     return req, rid
 
@@ -293,25 +378,35 @@ def _parse_batch(where: _Line, obj: dict) -> tuple[_Request, str | None]:
     other = "prompt" if prompt_key == "messages" else "messages"
     if other in body:
         raise inner.error(other, f"not used by {url} (use '{prompt_key}')")
-    allowed = (prompt_key, *SAMPLING_KEYS, *_ALIASES, "stop", *_BODY_IGNORED, *_BODY_FIXED)
-    _check_keys(inner, body, allowed)
+    chat = prompt_key == "messages"
+    encoding = ENCODING_KEYS if chat else ("add_special_tokens",)
+    extra = _CHAT_LOGPROBS if chat else ()
+    allowed = (prompt_key, *SAMPLING_KEYS, *_ALIASES, *encoding, *extra, *_BODY_IGNORED)
+    _check_keys(inner, {k: v for k, v in body.items() if k not in _BODY_FIXED}, allowed)
     for key, expected in _BODY_FIXED.items():
         value = body.get(key)
         if value is not None and (type(value) is not type(expected) or value != expected):
             raise inner.error(key, f"only {_show(expected)} is supported, got {_show(value)}")
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise inner.error("stop", "stop strings are not supported; use 'stop_token_ids'")
 
-    req = _request(inner, body, (prompt_key,))
+    sampling_keys = tuple(k for k in SAMPLING_KEYS if not (chat and k == "logprobs"))
+    req = _request(inner, body, (prompt_key,), sampling_keys)
+    if chat:
+        logprobs = _chat_logprobs(inner, body)
+        if logprobs is not None:
+            req.sampling["logprobs"] = logprobs
     custom_id = obj.get("custom_id")
     rid = None if custom_id is None else _request_id(where, "custom_id", custom_id)
     return req, rid
 
 
-def _parse(source: str, line: int, text: str) -> tuple[_Request, str | None, str]:
-    """Parse one line; returns the request, its explicit id if any, and the id's key."""
-    where = _Line(source, line)
+def _parse(
+    source: str, line: int, text: str, ignored: list[str] | None = None
+) -> tuple[_Request, str | None, str]:
+    """Parse one line; returns the request, its explicit id if any, and the id's key.
+
+    ``ignored``: a list that takes the line's unknown fields instead of refusing them.
+    """
+    where = _Line(source, line, ignored=ignored)
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
@@ -342,6 +437,7 @@ def parse_line(text: str, *, source: str = "<input>", line: int = 1, index: int 
         token_ids=req.token_ids,
         messages=req.messages,
         sampling=req.sampling,
+        encoding=req.encoding,
     )
 
 
@@ -360,8 +456,12 @@ class PromptReader:
         *,
         skip_invalid: bool = False,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        ignore_unknown_fields: bool = False,
     ) -> None:
         self.skip_invalid = skip_invalid
+        self.ignore_unknown_fields = ignore_unknown_fields
+        # Unknown fields ignored so far (--ignore-unknown-fields): field -> lines.
+        self.ignored_fields: dict[str, list[int]] = {}
         self.max_line_bytes = max_line_bytes  # longer lines are refused unread (line_limit)
         self.errors: list[InputError] = []
         self.count = 0  # accepted prompts in the last (or current) iteration
@@ -410,6 +510,7 @@ class PromptReader:
 
     def __iter__(self) -> Iterator[PromptSpec]:
         self.errors = []
+        self.ignored_fields = {}
         self.count = 0
         seen: dict[str, tuple[int, bool]] = {}  # id -> (line, was it a default id)
         nonblank = 0
@@ -445,7 +546,10 @@ class PromptReader:
             )
 
     def _accept(self, text: str, lineno: int, seen: dict[str, tuple[int, bool]]) -> PromptSpec:
-        req, rid, id_key = _parse(self.source, lineno, text)
+        ignored: list[str] | None = [] if self.ignore_unknown_fields else None
+        req, rid, id_key = _parse(self.source, lineno, text, ignored)
+        for name in ignored or ():
+            self.ignored_fields.setdefault(name, []).append(lineno)
         index = self.count
         spec_id = str(index) if rid is None else rid
         if spec_id in seen:
@@ -471,6 +575,7 @@ class PromptReader:
             token_ids=req.token_ids,
             messages=req.messages,
             sampling=req.sampling,
+            encoding=req.encoding,
         )
 
     def _fail(self, err: InputError) -> None:
@@ -534,13 +639,20 @@ def iter_prompts(
     *,
     skip_invalid: bool = False,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    ignore_unknown_fields: bool = False,
 ) -> PromptReader:
     """Prompts from a JSONL path or ``-`` (stdin), read lazily.
 
     The returned reader is iterated for ``PromptSpec``s; with ``skip_invalid``
-    its ``errors`` list holds the lines that were skipped.
+    its ``errors`` list holds the lines that were skipped, with
+    ``ignore_unknown_fields`` its ``ignored_fields`` the fields it passed over.
     """
-    return PromptReader(source, skip_invalid=skip_invalid, max_line_bytes=max_line_bytes)
+    return PromptReader(
+        source,
+        skip_invalid=skip_invalid,
+        max_line_bytes=max_line_bytes,
+        ignore_unknown_fields=ignore_unknown_fields,
+    )
 
 
 def read_prompts(source: str | os.PathLike[str]) -> list[PromptSpec]:

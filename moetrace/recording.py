@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ from moetrace.run_setup import (
     load_tokenizer,
     model_context_length,
     model_metadata,
+    model_source,
     resolve_device,
 )
 from moetrace.signals import GracefulStop, Interrupted, on_signal_exit, signal_name
@@ -52,33 +54,73 @@ from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.resume import ResumePoint, check_settings, open_resume_point, result_settings
 from moetrace.trace.writer import TraceWriter
 
+MOETRACE_SOURCE = "moetrace's default"
+CLI_SOURCE = "command line"
+
 
 @dataclass
 class SamplingDefaults:
-    """The command line's sampling options; a prompt line's own fields override them."""
+    """The sampling settings of a prompt line that gives none of its own.
+
+    Each comes from the command line if given there, else from the model's
+    generation config (vLLM's ``--generation-config``), else it is
+    moetrace's own (greedy, 16 tokens); ``sources`` says which, per setting
+    not moetrace's.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # every request returns its output tokens' log-probabilities
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(
+        cls,
+        given: dict[str, Any],
+        generation: dict[str, Any] | None = None,
+        generation_source: str | None = None,
+        **fixed: Any,
+    ) -> SamplingDefaults:
+        """Command-line values (None: not given) over the generation config's over moetrace's."""
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for key, value in (generation or {}).items():
+            values[key], sources[key] = value, generation_source or "generation config"
+        for key, value in given.items():
+            if value is not None:
+                values[key], sources[key] = value, CLI_SOURCE
+        return cls(**values, **fixed, sources=sources)
+
+    def settings(self) -> dict[str, Any]:
+        """The defaults as SamplingParams takes them (without their sources)."""
+        values = {k: v for k, v in self.__dict__.items() if k != "sources"}
+        values["stop_token_ids"] = list(self.stop_token_ids)
+        values["logprobs"] = 0 if self.logprobs else None
+        return values
 
     def for_prompt(self, spec: PromptSpec) -> SamplingParams:
-        values = {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop_token_ids": list(self.stop_token_ids),
-            "ignore_eos": self.ignore_eos,
-            "logprobs": 0 if self.logprobs else None,
-        }
+        values = self.settings()
         values.update(spec.sampling)
         return SamplingParams(**values)
+
+    def describe(self) -> str:
+        """One line: which defaults applied and where each came from."""
+        by_source: dict[str, list[str]] = {}
+        for key, source in self.sources.items():
+            by_source.setdefault(source, []).append(f"{key} {getattr(self, key)}")
+        parts = [f"{', '.join(items)} ({source})" for source, items in by_source.items()]
+        own = [k for k in ("max_tokens", "temperature") if k not in self.sources]
+        if own:
+            shown = {"max_tokens": f"max_tokens {self.max_tokens}", "temperature": "greedy"}
+            parts.append(f"{', '.join(shown[k] for k in own)} ({MOETRACE_SOURCE})")
+        return "sampling defaults: " + "; ".join(parts)
 
 
 @dataclass
@@ -107,6 +149,13 @@ _WAIT_SLICE_S = 0.1  # an idle loop waiting for standard input looks at the stop
 
 
 def prompt_token_ids(spec: PromptSpec, tokenizer, source: str) -> list[int]:
+    """The prompt's ids as vLLM makes them.
+
+    A text prompt gets the tokenizer's special tokens (its post-processor's
+    BOS, say) unless the line says ``add_special_tokens: false``; a chat is
+    rendered by the chat template (with the line's ``chat_template_kwargs``)
+    and encoded without them unless the line says otherwise.
+    """
     if spec.token_ids is not None:
         return list(spec.token_ids)
     if tokenizer is None:
@@ -114,12 +163,24 @@ def prompt_token_ids(spec: PromptSpec, tokenizer, source: str) -> list[int]:
         raise InputError(
             source, spec.line, field_name, "the model has no tokenizer.json; give prompt_token_ids"
         )
+    encoding = spec.encoding
     if spec.messages is not None:
+        variables = dict(encoding.get("chat_template_kwargs") or {})
+        if "add_generation_prompt" in encoding:
+            variables["add_generation_prompt"] = encoding["add_generation_prompt"]
         try:
-            return tokenizer.apply_chat_template(spec.messages)
+            return tokenizer.apply_chat_template(
+                spec.messages,
+                add_special_tokens=encoding.get("add_special_tokens", False),
+                **variables,
+            )
         except ModelError as exc:
             raise InputError(source, spec.line, "messages", str(exc)) from None
-    return tokenizer.encode(spec.text or "")
+        except TypeError as exc:  # a chat_template_kwargs key the template call cannot take
+            raise InputError(source, spec.line, "chat_template_kwargs", str(exc)) from None
+    return tokenizer.encode(
+        spec.text or "", add_special_tokens=encoding.get("add_special_tokens", True)
+    )
 
 
 @dataclass
@@ -153,6 +214,8 @@ class Recording:
         num_shards: int = 1,
         shard_index: int = 0,
         extra_settings: dict | None = None,
+        tokenizer: str | None = None,
+        ignore_unknown_fields: bool = False,
     ) -> None:
         engine.validate()
         if resume and overwrite:
@@ -179,14 +242,19 @@ class Recording:
         self.resume = resume and self.output.exists()
         self._lock: TraceLock | None = None
         self._check_output(prompts, model)
-        prompt_reader = iter_prompts(prompts, skip_invalid=skip_invalid)
+        prompt_reader = iter_prompts(
+            prompts, skip_invalid=skip_invalid, ignore_unknown_fields=ignore_unknown_fields
+        )
+        self.prompt_reader = prompt_reader
         self.reader = select_shard(prompt_reader, num_shards, shard_index)
         self.source = self.reader.source
         self.streaming = prompts == STDIN
         self.config = read_config(model_dir(model))
         resolve_architecture(self.config, model)
         self._preflight()
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model, tokenizer)
+        self.tokenizer_name = tokenizer
+        self.extra_settings.update(model_source(model))
         self.max_model_len = model_context_length(model, self.config, engine.max_model_len)
         prompt_reader.max_line_bytes = line_limit(self.max_model_len)
         self.resume_point: ResumePoint | None = None
@@ -261,6 +329,7 @@ class Recording:
             "load_format": self._effective_load_format(),
             "weights_digest": self.weights_digest,
             "sampling_defaults": self.sampling.__dict__,
+            **({"tokenizer": self.tokenizer_name} if self.tokenizer_name else {}),
             "max_model_len": max_model_len,
             "num_kv_blocks": num_kv_blocks,
             **self.extra_settings,
@@ -272,6 +341,10 @@ class Recording:
             params = self.sampling.for_prompt(spec)
         except ValueError as exc:
             raise InputError(self.source, spec.line, None, str(exc)) from None
+        if params.stop and self.tokenizer is None:
+            raise InputError(
+                self.source, spec.line, "stop", "stop strings need the model's tokenizer.json"
+            )
         n = len(ids)
         if n == 0:
             raise InputError(self.source, spec.line, "prompt", "empty after tokenization")
@@ -286,9 +359,15 @@ class Recording:
     def _vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
-    def _already_recorded(self, spec: PromptSpec, ids: list[int]) -> bool:
+    def _samples_to_record(self, spec: PromptSpec, ids: list[int], n: int) -> list[int]:
+        """The samples of the request this run records: all, less those a resumed trace holds."""
         point = self.resume_point
-        return point is not None and point.check_prompt(spec.id, ids, f"{self.source}:{spec.line}")
+        held = (
+            set()
+            if point is None
+            else point.check_prompt(spec.id, ids, f"{self.source}:{spec.line}")
+        )
+        return [i for i in range(n) if i not in held]
 
     def _prevalidate(self) -> int:
         """Check every line; returns how many requests this run has to record."""
@@ -296,16 +375,15 @@ class Recording:
         seen: set[str] = set()
         for spec in self.reader:
             try:
-                ids, _ = self._check_spec(spec)
+                ids, params = self._check_spec(spec)
             except InputError as err:
                 if not self.skip_invalid:
                     raise
                 self.reader.errors.append(err)
                 continue
-            valid += 1
+            valid += params.n
             seen.add(spec.id)
-            if not self._already_recorded(spec, ids):
-                todo += 1
+            todo += len(self._samples_to_record(spec, ids, params.n))
         if valid == 0 and self.num_shards == 1:  # a shard of a short input may hold nothing
             raise self._nothing_valid(self.reader.errors)
         point = self.resume_point
@@ -321,8 +399,9 @@ class Recording:
 
     def _specs(
         self, errors: list[InputError]
-    ) -> Iterator[tuple[PromptSpec, list[int], SamplingParams]]:
-        """Valid prompts not yet recorded; with skip_invalid, bad ones go to ``errors``."""
+    ) -> Iterator[tuple[PromptSpec, list[int], SamplingParams, list[int]]]:
+        """Valid prompts not yet recorded, with the samples to record; bad ones go to
+        ``errors`` with skip_invalid."""
         valid = 0
         for spec in self.reader:
             try:
@@ -333,9 +412,9 @@ class Recording:
                 errors.append(err)
                 continue
             valid += 1
-            if self._already_recorded(spec, ids):
-                continue
-            yield spec, ids, params
+            samples = self._samples_to_record(spec, ids, params.n)
+            if samples:
+                yield spec, ids, params, samples
         errors.extend(e for e in self.reader.errors if e not in errors)
         if valid == 0 and self.num_shards == 1:  # a shard of a short input may hold nothing
             raise self._nothing_valid(errors)
@@ -430,6 +509,9 @@ class Recording:
         window = max(2 * self.engine_config.max_num_seqs, 64)
         errors: list[InputError] = []
         intake = Intake(self._specs(errors), threaded=self.streaming, read_ahead=window)
+        # Standard input: no file before its first valid prompt, so an empty or all-bad
+        # stream leaves nothing behind, as an empty or all-bad prompt file does.
+        first = self._first_streamed(intake) if self.streaming else None
         pending_error: BaseException | None = None
         interrupted: int | None = None
         exhausted = False
@@ -441,6 +523,9 @@ class Recording:
         complete = False
         end_reason = "error"
         try:
+            if first is not None:
+                error = self._admit(engine, first, errors)
+                exhausted, pending_error = error is not None, error
             while not stop.requested:
                 if not exhausted:
                     exhausted, pending_error = self._feed(engine, intake, stop, window, errors)
@@ -508,17 +593,38 @@ class Recording:
                 if idle and not stop.requested:
                     continue
                 return False, None
-            spec, ids, params = item
-            try:
-                engine.add_request(spec.id, ids, params, index=spec.index)
-            except RequestRejected as err:
-                bad = InputError(self.source, spec.line, err.field, err.problem)
-                if not self.skip_invalid:
-                    return True, bad
-                errors.append(bad)
-            except CapacityError as err:
-                return True, CapacityError(f"{self.source}:{spec.line}: {err}")
+            error = self._admit(engine, item, errors)
+            if error is not None:
+                return True, error
         return False, None
+
+    def _admit(self, engine: LLMEngine, item: tuple, errors: list[InputError]) -> Exception | None:
+        """Queue one prompt's samples; returns the error that ends the intake, if any."""
+        spec, ids, params, samples = item
+        try:
+            engine.add_request(spec.id, ids, params, index=spec.index, samples=samples)
+        except RequestRejected as err:
+            bad = InputError(self.source, spec.line, err.field, err.problem)
+            if not self.skip_invalid:
+                return bad
+            errors.append(bad)
+        except CapacityError as err:
+            return CapacityError(f"{self.source}:{spec.line}: {err}")
+        return None
+
+    def _first_streamed(self, intake: Intake) -> tuple | None:
+        """The first valid prompt of standard input (None: it ended without any, sharded away).
+
+        An input with no valid prompt raises its ``InputError`` here, before the
+        trace file exists.
+        """
+        while True:
+            try:
+                item = intake.take(_WAIT_SLICE_S)
+            except StopIteration:
+                return None
+            if item is not None:
+                return item
 
     def _interrupted_message(self, signum: int, result: RecordResult, writer: TraceWriter) -> str:
         held = writer.flushed_requests

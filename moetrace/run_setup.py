@@ -8,9 +8,11 @@ do not import each other.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -20,8 +22,9 @@ from moetrace.distributed.sharding import load_model_for_rank
 from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.precompile import start_compile_workers, stop_compile_workers
-from moetrace.errors import MoetraceError
-from moetrace.models.demo import model_dir
+from moetrace.engine.sampling import sampling_problem
+from moetrace.errors import ModelError, MoetraceError
+from moetrace.models.demo import cached_model, model_dir
 from moetrace.models.loader import LoadedModel
 from moetrace.tokenizer import Tokenizer
 from moetrace.trace.metadata import TraceMetadata
@@ -64,11 +67,93 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_tokenizer(model: str) -> Tokenizer | None:
-    path = model_dir(model)
+def load_tokenizer(model: str, tokenizer: str | None = None) -> Tokenizer | None:
+    """The model's tokenizer, or the one ``--tokenizer`` names (a directory or a model id)."""
+    path = model_dir(tokenizer or model)
     if not (path / "tokenizer.json").exists():
+        if tokenizer is not None:
+            raise MoetraceError(f"--tokenizer {tokenizer}: no tokenizer.json in {path}")
         return None
     return Tokenizer.from_dir(path)
+
+
+def model_with_revision(model: str, revision: str | None, option: str = "--revision") -> str:
+    """MODEL as handed on to every process: a cached model id carries its revision."""
+    if revision is None:
+        return model
+    if cached_model(model) is None:
+        raise MoetraceError(
+            f"{option} {revision}: {model!r} is a directory, not a model id from the Hugging "
+            "Face cache"
+        )
+    cached_model(f"{model}@{revision}")  # refused now, with the revisions the cache holds
+    return f"{model}@{revision}"
+
+
+def refuse_remote_code(trust_remote_code: bool) -> None:
+    """vLLM's --trust-remote-code runs Python shipped with a checkpoint; moetrace never does."""
+    if trust_remote_code:
+        raise MoetraceError(
+            "--trust-remote-code: moetrace never runs code shipped with a checkpoint; it has its "
+            "own implementation of each supported architecture (moetrace record --help lists "
+            "them), so leave the option out"
+        )
+
+
+def model_source(model: str) -> dict:
+    """Where MODEL's files came from, for the trace: the cache's repository and commit."""
+    cached = cached_model(model)
+    if cached is None:
+        return {}
+    return {"model_repo": cached.repo_id, "model_revision": cached.revision,
+            "model_commit": cached.commit}  # fmt: skip
+
+
+# generation_config.json keys vLLM's --generation-config takes as defaults, by SamplingParams name.
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(model: str, mode: str) -> tuple[dict[str, Any], str | None]:
+    """vLLM's ``--generation-config``: (sampling defaults, the file they came from).
+
+    ``auto`` reads the checkpoint's generation_config.json, ``vllm`` none, any
+    other value is a directory holding one.  As vLLM (with transformers 5)
+    does, every sampling key the file sets counts; ``max_new_tokens`` is
+    ``max_tokens``.  Values are checked against the rules a prompt line obeys.
+    """
+    if mode == "vllm":
+        return {}, None
+    directory = model_dir(model) if mode == "auto" else Path(mode).expanduser()
+    if mode != "auto" and not directory.is_dir():
+        raise MoetraceError(f"--generation-config {mode}: not auto, vllm or a directory")
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        if mode != "auto":
+            raise MoetraceError(f"--generation-config {mode}: no generation_config.json in it")
+        return {}, None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelError(f"{path}: cannot read ({exc})".splitlines()[0]) from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    defaults = {}
+    for key, name in GENERATION_KEYS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        problem = sampling_problem(name, value)
+        if problem is not None:
+            raise ModelError(f"{path}: '{key}': {problem}, got {value!r}")
+        defaults[name] = max(value, 0) if name == "top_k" else value
+    return defaults, str(path)
 
 
 def model_context_length(model: str, config: dict, max_model_len: int | None) -> int:

@@ -286,10 +286,17 @@ class Tokenizer:
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
 
-    def encode(self, text: str) -> list[int]:
-        """Ids for raw text; the post-processor in tokenizer.json is not applied."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Ids for text as vLLM encodes a completion prompt (transformers' ``tokenizer(text)``).
+
+        With special tokens, tokenizer.json's post-processor adds its own (the
+        BOS of many models), and a ``tokenizer_config.json`` that asks for
+        ``add_bos_token`` gets its BOS when the post-processor added none.
+        Without them: the text's own tokens (a rendered chat, which writes its
+        special tokens itself).
+        """
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -321,14 +328,17 @@ class Tokenizer:
             **variables,
         )
 
-    def apply_chat_template(self, messages: list[dict], **variables: Any) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], *, add_special_tokens: bool = False, **variables: Any
+    ) -> list[int]:
         """Ids of the rendered conversation, ending with the assistant's turn opener.
 
-        The rendered text is encoded without adding special tokens: templates
-        write their own bos, and adding another would double it.
+        The rendered text is encoded without adding special tokens by default
+        (vLLM's chat default): templates write their own bos, and adding
+        another would double it.
         """
         text = self.render_chat_template(messages, **variables)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 # --- the demo model's byte tokenizer ----------------------------------------------------
@@ -396,7 +406,8 @@ class ByteTokenizer:
     def eos_token_ids(self) -> list[int]:
         return [BYTE_EOS_ID]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Bytes and special-token names; the byte tokenizer adds no special tokens itself."""
         ids: list[int] = []
         pos = 0
         for match in _SPECIAL_RE.finditer(text):
@@ -427,7 +438,9 @@ class ByteTokenizer:
             parts.append(BYTE_SPECIAL_TOKENS[BYTE_ASSISTANT_ID])
         return "".join(parts)
 
-    def apply_chat_template(self, messages: list[dict], **variables: Any) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], *, add_special_tokens: bool = False, **variables: Any
+    ) -> list[int]:
         return self.encode(self.render_chat_template(messages, **variables))
 
     def decode_stream(

@@ -139,7 +139,7 @@ def test_openai_batch_chat(write):
     (spec,) = read_prompts(write(line))
     assert spec.id == "req-1"
     assert spec.messages == [{"role": "user", "content": "hi"}]
-    assert spec.sampling == {"max_tokens": 3, "temperature": 0.5}
+    assert spec.sampling == {"max_tokens": 3, "temperature": 0.5, "n": 1}
 
 
 def test_openai_batch_completions_text_and_ids():
@@ -312,12 +312,12 @@ MSGS = [{"role": "user", "content": "hi"}]
             "field 'custom_id': expected a string or integer, got false",
         ),
         (
-            {**BATCH, "body": {"messages": MSGS, "stop": "\n"}},
-            "field 'body.stop': stop strings are not supported; use 'stop_token_ids'",
+            {**BATCH, "body": {"messages": MSGS, "stop": ["a", ""]}},
+            "field 'body.stop': a stop string cannot be empty",
         ),
         (
-            {**BATCH, "body": {"messages": MSGS, "stop": ["a"]}},
-            "field 'body.stop': stop strings are not supported; use 'stop_token_ids'",
+            {**BATCH, "body": {"messages": MSGS, "stop": 3}},
+            "field 'body.stop': expected a string or a list of strings, got 3",
         ),
         (
             {**BATCH, "body": {"prompt": "x"}},
@@ -332,16 +332,36 @@ MSGS = [{"role": "user", "content": "hi"}]
             "field 'body.max_tokns': unknown field (did you mean 'max_tokens'?)",
         ),
         (
-            {**BATCH, "body": {"messages": MSGS, "logprobs": True}},
-            "field 'body.logprobs': unknown field",
+            {**BATCH, "body": {"messages": MSGS, "logprobs": 3}},
+            "field 'body.logprobs': expected true or false, got 3",
         ),
         (
-            {**BATCH, "body": {"messages": MSGS, "n": 2}},
-            "field 'body.n': only 1 is supported, got 2",
+            {**BATCH, "body": {"messages": MSGS, "top_logprobs": 2}},
+            "field 'body.top_logprobs': needs 'logprobs': true",
+        ),
+        (
+            {**BATCH, "body": {"messages": MSGS, "n": 0}},
+            "field 'body.n': expected a positive integer (at most 2147483647), got 0",
         ),
         (
             {**BATCH, "body": {"messages": MSGS, "n": True}},
-            "field 'body.n': only 1 is supported, got true",
+            "field 'body.n': expected a positive integer (at most 2147483647), got true",
+        ),
+        (
+            {
+                **BATCH,
+                "url": "/v1/completions",
+                "body": {"prompt": "x", "chat_template_kwargs": {}},
+            },
+            "field 'body.chat_template_kwargs': unknown field",
+        ),
+        (
+            {"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}},
+            "field 'chat_template_kwargs': only for a chat prompt ('messages')",
+        ),
+        (
+            {**BATCH, "body": {"messages": MSGS, "ignore_eos": "yes"}},
+            "field 'body.ignore_eos': expected true or false, got \"yes\"",
         ),
         (
             {**BATCH, "body": {"messages": MSGS, "stream": True}},

@@ -65,3 +65,16 @@ def test_json_attributes_read_as_what_they_hold(recorded):
     assert isinstance(md["resumes"], list) and md["resumes"][0]["kept_requests"] == 2
     assert [s["line"] for s in md["skipped_inputs"]] == [7]
     assert isinstance(md["engine_settings"], dict) and md["merged_from"] == []
+
+
+@pytest.mark.parametrize("content", ["", "\n", '{"prompt": 7}\n'])
+def test_an_empty_or_all_bad_input_leaves_no_file_from_stdin_as_from_a_file(tmp_path, content):
+    (tmp_path / "p.jsonl").write_text(content)
+    said = []
+    for source in ("p.jsonl", "-"):
+        out = tmp_path / f"t{len(said)}.h5"
+        proc = moetrace("record", "demo", source, "-o", str(out), "-q", "--skip-invalid",
+                        cwd=tmp_path, input=content)  # fmt: skip
+        assert proc.returncode == 1 and not out.exists(), proc.stderr
+        said.append(proc.stderr.strip().splitlines()[-1].replace("<stdin>", "p.jsonl"))
+    assert said[0] == said[1]

@@ -25,7 +25,7 @@ import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import Trace, TraceRequest
-from moetrace.trace.wire import npy_base64
+from moetrace.trace.wire import hidden_layer_rows, npy_base64
 
 FORMATS = ("jsonl", "npz", "npy", "parquet")
 BINARY_FORMATS = ("npz", "npy", "parquet")
@@ -61,9 +61,7 @@ class Layout:
     def apply(self, rows: np.ndarray) -> np.ndarray:
         if self.name == "moe":
             return rows
-        full = np.zeros((rows.shape[0], self.num_hidden_layers, rows.shape[2]), dtype=rows.dtype)
-        full[:, list(self.moe_layer_indices)] = rows
-        return full
+        return hidden_layer_rows(rows, self.moe_layer_indices, self.num_hidden_layers)
 
 
 def _cast(rows: np.ndarray, dtype: str) -> np.ndarray:

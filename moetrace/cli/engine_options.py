@@ -18,7 +18,25 @@ SUPPORTED = ", ".join(supported_architectures())
 MODEL = typer.Argument(
     ...,
     metavar="MODEL",
-    help=f"Checkpoint directory (config.json + safetensors) or 'demo'. Supported: {SUPPORTED}.",
+    help="Checkpoint directory (config.json + safetensors), a model id in the local Hugging "
+    f"Face cache (Qwen/Qwen3-30B-A3B; never downloaded) or 'demo'. Supported: {SUPPORTED}.",
+)
+REVISION = typer.Option(
+    None, "--revision", help="Branch, tag or commit of a cached model id (default: main)."
+)
+TOKENIZER = typer.Option(
+    None, "--tokenizer", help="Tokenizer directory or cached model id (default: the model's)."
+)
+TRUST_REMOTE_CODE = typer.Option(
+    False,
+    "--trust-remote-code",
+    help="Refused: moetrace never runs a checkpoint's own code (it has its own models).",
+)
+GENERATION_CONFIG = typer.Option(
+    "auto",
+    "--generation-config",
+    help="Sampling defaults: auto (the model's generation_config.json), vllm (none) or a "
+    "directory holding a generation_config.json.",
 )
 SEED = typer.Option(0, "--seed", help="Run seed; a request without its own seed samples from this.")
 DTYPE = typer.Option(

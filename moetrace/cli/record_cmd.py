@@ -16,7 +16,7 @@ from moetrace.cli import engine_options as opts
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
-    from moetrace.recording import Recording, RecordResult, SamplingDefaults
+    from moetrace.recording import Recording, RecordResult
     from moetrace.signals import GracefulStop
 
 
@@ -26,12 +26,28 @@ def record_command(
         ..., metavar="PROMPTS", help="JSONL file of prompts, or '-' for standard input."
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Trace file to write (HDF5)."),
-    max_tokens: int = typer.Option(
-        16, "--max-tokens", help="Tokens to generate per prompt (a line's max_tokens wins)."
+    max_tokens: int | None = typer.Option(
+        None,
+        "--max-tokens",
+        help="Tokens to generate per prompt (a line's max_tokens wins; default: the generation "
+        "config's max_new_tokens, else 16).",
     ),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 or -1: off."),
+    temperature: float | None = typer.Option(
+        None, "--temperature", help="0 is greedy (default: the generation config's, else 0)."
+    ),
+    top_p: float | None = typer.Option(None, "--top-p", help="Default: the generation config's."),
+    top_k: int | None = typer.Option(
+        None, "--top-k", help="0 or -1: off (default: the generation config's)."
+    ),
+    generation_config: str = opts.GENERATION_CONFIG,
+    revision: str | None = opts.REVISION,
+    tokenizer: str | None = opts.TOKENIZER,
+    trust_remote_code: bool = opts.TRUST_REMOTE_CODE,
+    ignore_unknown_fields: bool = typer.Option(
+        False,
+        "--ignore-unknown-fields",
+        help="Warn about prompt-line fields moetrace does not know and go on (default: refuse).",
+    ),
     seed: int = opts.SEED,
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Generate max_tokens even past EOS."
@@ -101,11 +117,18 @@ def record_command(
     )
     from moetrace.prompt_shards import check_shard_args
     from moetrace.recording import Recording, SamplingDefaults
-    from moetrace.run_setup import check_supported
+    from moetrace.run_setup import (
+        check_supported,
+        generation_defaults,
+        model_with_revision,
+        refuse_remote_code,
+    )
     from moetrace.signals import GracefulStop, Interrupted, set_exit_context, signal_name
     from moetrace.trace.writer import unclosed_traces
 
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
+    refuse_remote_code(trust_remote_code)
+    model = model_with_revision(model, revision)
     check_shard_args(num_shards, shard_index)
     parallel = prepare_parallel(
         model,
@@ -132,15 +155,12 @@ def record_command(
         max_cudagraph_capture_size=max_cudagraph_capture_size,
         capture_weights=weights_dtype.value if record_weights else None,
     )
-    sampling = SamplingDefaults(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        ignore_eos=ignore_eos,
-        logprobs=logprobs,
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    _check_sampling(given, seed)
+    defaults, source = generation_defaults(model, generation_config)
+    sampling = SamplingDefaults.resolve(
+        given, defaults, source, ignore_eos=ignore_eos, logprobs=logprobs
     )
-    _check_sampling(sampling, seed)
     console = Console(stderr=True)
     with GracefulStop() as stop, TensorParallelDriver(parallel, device) as driver:
         try:
@@ -161,6 +181,8 @@ def record_command(
                 num_shards=num_shards,
                 shard_index=shard_index,
                 extra_settings=parallel_settings(parallel),
+                tokenizer=tokenizer,
+                ignore_unknown_fields=ignore_unknown_fields,
             )
             driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0
             if quiet:
@@ -177,6 +199,9 @@ def record_command(
             raise
         set_exit_context(f"after {output} was written and closed (it is complete)")
     _summarise(result, console, startup=not quiet)
+    if not quiet:
+        console.print(sampling.describe(), highlight=False, soft_wrap=True)
+    _ignored_fields(recording.prompt_reader.ignored_fields, recording.source, console)
     if stop.signum is not None:  # arrived after the last request was written: nothing was lost
         print(
             f"error: interrupted by {signal_name(stop.signum)} after {output} was written and "
@@ -187,21 +212,26 @@ def record_command(
         raise typer.Exit(128 + stop.signum)
 
 
-def _check_sampling(sampling: SamplingDefaults, seed: int) -> None:
-    """The rules a prompt line's own fields are checked against, for the options."""
+def _check_sampling(given: dict, seed: int) -> None:
+    """The rules a prompt line's own fields are checked against, for the options given."""
     from moetrace.engine.sampling import sampling_problem
 
-    values = {
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "seed": seed,
-    }
+    values = {**{k: v for k, v in given.items() if v is not None}, "seed": seed}
     for name, value in values.items():
         problem = sampling_problem(name, value)
         if problem is not None:
             raise MoetraceError(f"--{name.replace('_', '-')}: {problem}, got {value}")
+
+
+def _ignored_fields(ignored: dict[str, list[int]], source: str, console: Console) -> None:
+    """--ignore-unknown-fields: each field passed over, once, with where it first appeared."""
+    for name, lines in sorted(ignored.items()):
+        console.print(
+            f"[yellow]ignored[/yellow] unknown field {escape(repr(name))} on {len(lines):,} "
+            f"line(s) of {escape(source)} (first: line {lines[0]})",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _run_with_progress(recording: Recording, console: Console, stop: GracefulStop) -> RecordResult:

@@ -14,6 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moetrace.models.hub_cache import (
+    CachedModel,
+    find_cached_model,
+    looks_like_repo_id,
+    split_revision,
+)
+
 DEMO_NAME = "demo"
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 # The shipped config.json, for callers that need the demo's shape without loading it.
@@ -21,5 +28,29 @@ DEMO_CONFIG: dict = json.loads((DEMO_DIR / "config.json").read_text(encoding="ut
 
 
 def model_dir(model: str) -> Path:
-    """The checkpoint directory a MODEL argument names (``demo`` is the shipped one)."""
-    return DEMO_DIR if model == DEMO_NAME else Path(model).expanduser()
+    """The checkpoint directory a MODEL argument names.
+
+    ``demo`` is the shipped one; an existing path is itself; otherwise a
+    Hugging Face model id (``org/name``, ``org/name@revision``) is looked up
+    in the local cache (models/hub_cache.py).
+    """
+    if model == DEMO_NAME:
+        return DEMO_DIR
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    cached = cached_model(model)
+    return path if cached is None else cached.path
+
+
+def cached_model(model: str) -> CachedModel | None:
+    """The cache entry a MODEL argument names, or None when it names a directory (or demo).
+
+    Raises ``ModelError`` for a model id that the cache lacks.
+    """
+    if model == DEMO_NAME or Path(model).expanduser().exists():
+        return None
+    repo, revision = split_revision(model)
+    if not looks_like_repo_id(repo):
+        return None
+    return find_cached_model(repo, revision)

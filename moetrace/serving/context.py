@@ -7,9 +7,7 @@ answered with a 400 naming its field and the engine never sees it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +15,7 @@ import numpy as np
 from moetrace.engine.llm_engine import request_problem
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import ModelError
+from moetrace.run_setup import generation_defaults as checkpoint_generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.protocol import FieldProblem
 from moetrace.tokenizer import Tokenizer
@@ -24,27 +23,12 @@ from moetrace.trace.wire import hidden_layer_rows, int32_base64, npy_base64
 
 # vLLM's defaults for OpenAI requests that leave a sampling field out.
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-# generation_config.json keys vLLM's ``--generation-config auto`` takes as defaults.
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(model_dir: Path, mode: str) -> dict[str, Any]:
+def generation_defaults(model: str, mode: str) -> dict[str, Any]:
     """Sampling defaults: vLLM's, overridden by the checkpoint's generation_config.json (auto)."""
-    defaults = dict(OPENAI_SAMPLING_DEFAULTS)
-    if mode == "vllm":
-        return defaults
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return defaults
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ModelError(f"{path}: cannot read ({exc})".splitlines()[0]) from None
-    for key in _GENERATION_KEYS:
-        value = config.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            defaults[key] = value
-    return defaults
+    found, _ = checkpoint_generation_defaults(model, mode)
+    return {**OPENAI_SAMPLING_DEFAULTS, **found}
 
 
 @dataclass
@@ -92,14 +76,7 @@ class ServingContext:
 
     def encode(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self._need_tokenizer(field_name)
-        ids = tokenizer.encode(text)
-        if (
-            not add_special_tokens
-            and tokenizer.add_bos_token
-            and ids[:1] == [tokenizer.bos_token_id]
-        ):
-            ids = ids[1:]
-        return ids
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: list[dict[str, Any]], variables: dict[str, Any]) -> list[int]:
         tokenizer = self._need_tokenizer("messages")

@@ -157,7 +157,7 @@ class Server:
         resolve_architecture(self.config, model)
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = model_context_length(model, self.config, engine.max_model_len)
-        self.sampling_defaults = generation_defaults(model_dir(model), generation_config)
+        self.sampling_defaults = generation_defaults(model, generation_config)
 
     def _check_trace_out(self, out: Path) -> None:
         if out.is_dir():

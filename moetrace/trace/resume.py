@@ -45,7 +45,20 @@ SETTING_NAMES = {
     "ignore_eos": "--ignore-eos",
     "stop_token_ids": "default stop_token_ids",
     "sampling_seed": "default sampling seed",
+    "min_p": "default min_p (generation config)",
+    "repetition_penalty": "default repetition_penalty (generation config)",
 }
+# The sampling defaults a resume compares (a prompt line's own values are in the trace's prompts).
+DEFAULT_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+)
 
 
 def result_settings(config_digest: str, dtype: str, engine_settings: dict) -> dict:
@@ -60,7 +73,7 @@ def result_settings(config_digest: str, dtype: str, engine_settings: dict) -> di
         "seed": engine_settings.get("seed"),
         "max_model_len": engine_settings.get("max_model_len"),
     }
-    for key in ("max_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop_token_ids"):
+    for key in DEFAULT_KEYS:
         settings[key] = sampling.get(key)
     settings["sampling_seed"] = sampling.get("seed")
     # JSON round trip: a run's own values compare equal to what a file stored.
@@ -80,25 +93,29 @@ class ResumePoint:
     keep_requests: int  # sound records kept; anything after them is cut off
     dropped: int  # tail records not backed by data (redone)
     prompts: dict[str, int] = field(default_factory=dict)  # id -> prompt_crc
+    samples: dict[str, set[int]] = field(default_factory=dict)  # id -> sample indices held
     skipped_inputs: list[dict] = field(default_factory=list)
     was_complete: bool = False
     settings: dict = field(default_factory=dict)  # result_settings of the trace
 
-    def check_prompt(self, request_id: str, token_ids, where: str) -> bool:
-        """True if the request is already recorded; refuses one recorded with another prompt."""
+    def check_prompt(self, request_id: str, token_ids, where: str) -> set[int]:
+        """The samples of the request already recorded (none: an empty set).
+
+        Refuses a request recorded with another prompt.
+        """
         crc = self.prompts.get(request_id)
         if crc is None:
-            return False
+            return set()
         if crc != prompt_crc(token_ids):
             raise MoetraceError(
                 f"cannot resume {self.path}: request {request_id!r} ({where}) was recorded with "
                 "another prompt; resume with the same prompts"
             )
-        return True
+        return self.samples.get(request_id, set())
 
 
 # Settings that traces written before they existed lack: not compared with those.
-ADDED_LATER = {"weights_digest"}
+ADDED_LATER = {"weights_digest", "min_p", "repetition_penalty"}
 
 
 def mismatches(stored: dict, wanted: dict) -> list[str]:
@@ -137,16 +154,26 @@ def open_resume_point(path: str | os.PathLike, wanted: dict) -> ResumePoint:
                 f"({layout[bad]}); run 'moetrace verify {path}'"
             )
         prompts: dict[str, int] = {}
+        samples: dict[str, set[int]] = {}
+        sample_of = iter(trace.sample_indices.tolist())
         for rid, tokens in trace.iter_prompt_tokens():
-            if rid in prompts:
-                raise MoetraceError(f"cannot resume {path}: request id {rid!r} is in it twice")
-            prompts[rid] = prompt_crc(tokens)
+            sample = next(sample_of)
+            if sample in samples.get(rid, ()):
+                twice = f"request id {rid!r}" + (f" (sample {sample})" if sample else "")
+                raise MoetraceError(f"cannot resume {path}: {twice} is in it twice")
+            crc = prompt_crc(tokens)
+            if prompts.setdefault(rid, crc) != crc:
+                raise MoetraceError(
+                    f"cannot resume {path}: the samples of request {rid!r} have other prompts"
+                )
+            samples.setdefault(rid, set()).add(sample)
         skipped = md["skipped_inputs"]
         return ResumePoint(
             path,
             keep_requests=trace.num_requests,
             dropped=trace.num_dropped,
             prompts=prompts,
+            samples=samples,
             skipped_inputs=skipped,
             was_complete=trace.complete,
             settings=stored,
