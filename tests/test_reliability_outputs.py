@@ -116,8 +116,9 @@ def test_overwrite_never_replaces_a_device_fifo_or_socket(tmp_path, model, promp
 
 # ------------------------------------------------------------------ one writer at a time
 def _slow_run(model: Path, tmp_path: Path, out: Path) -> subprocess.Popen:
-    slow = write_jsonl(tmp_path / "slow.jsonl", token_prompts(400, seed=4, max_len=12))
-    args = ("--max-tokens", "4", "--max-num-seqs", "1", "--flush-every", "2")
+    # Far more than the test needs: it is still running when the test ends it.
+    slow = write_jsonl(tmp_path / "slow.jsonl", token_prompts(20_000, seed=4, max_len=12))
+    args = ("--max-tokens", "8", "--max-num-seqs", "1", "--flush-every", "2")
     proc = popen(*record_args(model, slow, out, *args, "--flush-interval", "0.05"))
     deadline = time.monotonic() + 60
     while writer_pid(out) is None or not out.exists():
@@ -133,6 +134,7 @@ def test_a_second_run_on_the_same_output_is_refused(tmp_path, model, prompts):
     try:
         for extra in (("--overwrite",), ("--resume",)):
             code, _, err = run_cli(*record_args(model, prompts, out, *extra))
+            assert first.poll() is None, "the first run ended early: the test proves nothing"
             assert_one_line_error(code, err, "is being written by another moetrace run", "pid")
         # Readers: what is flushed so far, and that it is still being written.
         report = verify_trace(out)
