@@ -149,9 +149,19 @@ def differing_margins(
 def layer_forced_rows(
     ours: torch.nn.Module, sequence: list[int], layer_inputs: dict, device: torch.device, **engine
 ) -> np.ndarray:
-    """Our rows for ``sequence`` in one prefill step, each layer fed transformers' input to it."""
+    """Our rows for ``sequence`` in one prefill step, each layer fed transformers' input to it.
+
+    On the kernels a step may be padded to a captured size: padding rows follow
+    the sequence's and keep their own inputs.
+    """
+
+    def force(module, args, i):
+        x = args[0].clone()
+        x[: len(sequence)] = layer_inputs[i]
+        return (x, *args[1:])
+
     hooks = [
-        layer.register_forward_pre_hook(lambda m, args, i=i: (layer_inputs[i], *args[1:]))
+        layer.register_forward_pre_hook(lambda m, args, i=i: force(m, args, i))
         for i, layer in enumerate(ours.layers)
     ]
     try:

@@ -132,7 +132,7 @@ def test_bf16_layer_forced_routing_agrees_with_transformers(twins, use_kernels):
     router_inputs: dict[int, torch.Tensor] = {}
     hooks = [
         layer.mlp.register_forward_pre_hook(
-            lambda m, args, i=i: router_inputs.__setitem__(i, args[0].detach().clone())
+            lambda m, args, i=i: router_inputs.__setitem__(i, args[0][: len(sequence)].clone())
         )
         for i, layer in enumerate(twins.ours.layers)
     ]
