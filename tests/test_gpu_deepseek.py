@@ -1,4 +1,4 @@
-"""DeepSeek on CUDA through the MLA and fused-MoE kernels: decode graphs and host syncs.
+"""DeepSeek on CUDA through the MLA and fused-MoE kernels: CUDA graphs and host syncs.
 
 Skipped without a CUDA device.  The float32 CUDA-equals-CPU ids and the bf16
 teacher-forced router checks are in ``test_parity_deepseek_v2.py`` / ``_v3.py``.
@@ -52,11 +52,21 @@ def run(model, prompts: dict[str, list[int]], **engine) -> tuple[dict, LLMEngine
     return done, eng
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_decode_graphs_replay_what_eager_decode_computes(tmp_path, name):
-    """bf16: every module on the kernels, so decode graphs are captured; 16 requests (a graph
-    size) decode in the same kernels either way and must agree bit for bit."""
+@pytest.mark.parametrize(
+    "name, expand_min_tokens",
+    [(name, None) for name in SHAPES] + [("v3", 1)],
+    ids=[*SHAPES, "v3-expanded-form-in-graphs"],
+)
+def test_graph_replay_equals_eager(tmp_path, name, expand_min_tokens):
+    """bf16: every module on the kernels, so every step (padded) replays a graph; the same
+    steps run eagerly at the same padded sizes must agree bit for bit, prompts included (the
+    last case runs every step's prompt tokens through the expanded form, inside the graphs)."""
+    from moetrace.layers.mla import MultiHeadLatentAttention
+
     model = bf16_model(tmp_path, name)
+    for module in model.modules():
+        if isinstance(module, MultiHeadLatentAttention) and expand_min_tokens is not None:
+            module.expand_min_tokens = expand_min_tokens
     prompts = {f"p{i}": list(range(3 + i, 40 + 2 * i)) for i in range(16)}
     eager, _ = run(model, prompts, enforce_eager=True, max_num_seqs=16)
     graph, eng = run(model, prompts, enforce_eager=False, max_num_seqs=16)
@@ -76,7 +86,7 @@ def test_mixed_step_forward_never_syncs_the_host(tmp_path, kernels):
     model = bf16_model(tmp_path, "v3")
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
-            module.expand_prefill = kernels == "expanded"
+            module.expand_min_tokens = 1 if kernels == "expanded" else None
 
     def prepare(eng: LLMEngine) -> None:
         eng.add_request("decoding", list(range(10, 30)), SamplingParams(max_tokens=8))

@@ -301,7 +301,7 @@ def test_layer_kernels_match_the_plain_path(expand):
     outputs, expanded = {}, []
     for kernels in (False, True):
         layer.attn.use_triton = kernels
-        layer.expand_prefill = expand
+        layer.expand_min_tokens = 1 if expand else None
         layer.attn.bind_kv_cache([torch.full((12, 4, 40), float("nan"), device=DEVICE)])
         outputs[kernels] = []
         for x, (q_lens, seq_lens) in zip(inputs, steps, strict=True):
@@ -331,15 +331,16 @@ def test_layer_kernels_match_the_plain_path(expand):
     ids=["v2-q-proj", "v3-odd-latent"],
 )
 def test_engine_routes_the_same_through_the_kernels(tmp_path, family, shape):
-    """float32 under the interpreter: chunked prefill, prefix hits and decode give the plain
-    path's tokens and routing rows exactly."""
+    """float32 under the interpreter: chunked prefill (expanded where the context fits the
+    step, absorbed where not), prefix hits and decode give the plain path's tokens and routing
+    rows exactly."""
     from hf_reference import make_tiny_checkpoint
     from parity import prompts
 
     from moetrace.config import EngineConfig
     from moetrace.engine.llm_engine import LLMEngine
     from moetrace.engine.sampling import SamplingParams
-    from moetrace.layers.mla import LatentCache
+    from moetrace.layers.mla import LatentCache, MultiHeadLatentAttention
     from moetrace.models.loader import load_model
 
     ckpt = make_tiny_checkpoint(family, tmp_path / "m", seed=5, **shape)
@@ -353,6 +354,8 @@ def test_engine_routes_the_same_through_the_kernels(tmp_path, family, shape):
         for module in model.modules():
             if isinstance(module, LatentCache):
                 module.use_triton = kernels  # the runner turns kernels on only on CUDA
+            if isinstance(module, MultiHeadLatentAttention):
+                module.expand_min_tokens = 1  # prompt chunks through the expanded form too
         for i, (rid, ids) in enumerate(prompts(5, short=False, long=21).items()):
             eng.add_request(rid, ids, SamplingParams(max_tokens=5, ignore_eos=True), index=i)
         runs.append({f.request_id: f for f in eng.run()})

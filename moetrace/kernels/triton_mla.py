@@ -6,14 +6,14 @@ head (``qk_rope_head_dim``): ``cache [num_blocks, block_size, rank + rope]``.
 
 One attention kernel, two forms:
 
-- **absorbed** (every step; the only form inside a CUDA graph): the query's
+- **absorbed** (every step): the query's
   no-rope part is taken through ``W_UK`` first (``q_lat = q_nope W_UK``), so
   ``score = q_lat · c + q_rot · k_rot`` is read straight off the cache; the
   output stays in latent space (``Σ p c``) and goes through ``W_UV`` after.
   Every head reads the same cache row, so a program packs ``BLOCK_H`` heads
   of one query (or a few queries) as the rows of its tile and each row read
   from the cache serves them all.
-- **expanded** (prompt tokens in eager steps): the cached rows of the
+- **expanded** (prompt tokens in large steps): the cached rows of the
   sequences with more than one query are gathered and expanded through
   ``kv_b_proj`` into per-head ``k_nope`` and ``v`` (one GEMM), and the kernel
   runs per-head attention over them: ``score = q_nope · k_nope + q_rot ·

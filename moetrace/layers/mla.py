@@ -5,13 +5,14 @@ latent (``kv_lora_rank``) and the rotated key part shared by all heads
 (``qk_rope_head_dim``) — 576 values for V2/V3 instead of 2 × heads × 192 —
 packed in one row of one cache tensor per layer.
 
-On the GPU the Triton kernels (``kernels/triton_mla.py``) serve every step:
-sequences with one new token in latent space (``kv_b_proj`` absorbed into
-the query and the output; the only form inside a CUDA graph), sequences
-with prompt tokens, in eager steps, through keys and values expanded from
-their gathered context (one expansion GEMM, then 192-wide scores instead of
-576-wide) as long as the contexts fit buffers of the step's token count, in
-latent space otherwise.
+On the GPU the Triton kernels (``kernels/triton_mla.py``) serve every step in
+latent space (``kv_b_proj`` absorbed into the query and the output), except
+that in large steps (``EXPAND_MIN_TOKENS``, mostly prompt tokens) the
+sequences with prompt tokens run through keys and values expanded from their
+gathered context (one expansion GEMM, then 192-wide scores instead of
+576-wide) as long as their contexts fit buffers of the step's token count.
+The choice depends on the step's padded size alone, so a step computes the
+same eagerly and replayed from a CUDA graph.
 
 The plain-torch path (CPU, float64, and the reference the kernels are tested
 against) expands each sequence's cached latents as the reference's
@@ -38,6 +39,10 @@ Rope = Callable[[torch.Tensor], torch.Tensor]  # [tokens, heads, rope_dim] → r
 
 # Bound on one score tensor (heads × queries × keys): longer prefills run in query chunks.
 MAX_SCORE_ELEMENTS = 1 << 28
+# Steps of this many tokens or more (padded) run prompt tokens through the expanded form: they
+# are mostly prompt tokens (at most max_num_seqs decodes), so its GEMM over the step's rows is
+# not spent on decodes.  Not measured yet: benchmarks/mla_kernels.py's prefill rows decide.
+EXPAND_MIN_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(d.num_heads * d.v_dim, d.hidden, bias=bias)
         self.attn = LatentCache(dims, scale)
         self.absorbed_decode: bool | None = None  # plain path; None: on CUDA only
-        self.expand_prefill = True  # kernel path: the expanded form in eager steps (module doc)
+        # Kernel path: steps of at least this many tokens run the expanded form (None: never).
+        self.expand_min_tokens: int | None = EXPAND_MIN_TOKENS
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         d, t = self.dims, x.shape[0]
@@ -172,9 +178,9 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention output [T, H, v_dim] through the Triton kernels.
 
-        Latent space for every sequence, except, in an eager step with prompt
-        tokens, the multi-query sequences whose context fits the expanded
-        buffers: the expanded form overwrites their rows.
+        Latent space for every sequence, except, in a step that runs the expanded
+        form (``_expands``), the multi-query sequences whose contexts fit its
+        buffers: it overwrites their rows.
         """
         from moetrace.kernels import triton_mla
 
@@ -207,12 +213,12 @@ class MultiHeadLatentAttention(nn.Module):
         return out.transpose(0, 1)
 
     def _expands(self, meta: AttentionMetadata, q: torch.Tensor) -> bool:
-        """Whether this step runs the expanded form: it may hold prompt tokens, and it is
-        not being captured in a CUDA graph (where every step of the size, decode-only
-        ones too, would pay for the expansion GEMM)."""
-        if not self.expand_prefill or meta.max_query_len <= 1:
+        """Whether this step runs the expanded form: by its token count alone, so a step
+        runs the same kernels eagerly and replayed from a graph (where the expansion GEMM is
+        captured too), and only if it may hold prompt tokens."""
+        if self.expand_min_tokens is None or q.shape[0] < self.expand_min_tokens:
             return False
-        return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        return meta.max_query_len > 1
 
     def _expand(
         self, latent: torch.Tensor, k_rot: torch.Tensor
