@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 
@@ -57,12 +58,17 @@ def prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]],
 
 def keep_last_plans(graphs) -> dict:
     """Remember the last step each padded size ran, so a benchmark can stage it again
-    before replaying that size's graph alone (sizes share the static input buffers)."""
+    before replaying that size's graph alone (sizes share the static input buffers).
+
+    Tokens that were still being sampled (-1: the run filled them in on the
+    device) are kept as token 0, a valid id.
+    """
     last: dict = {}
     run = graphs.run
 
     def remembering(plan, fill):
-        last[graphs.bucket(plan.num_tokens)] = plan
+        kept = dataclasses.replace(plan, input_ids=np.maximum(plan.input_ids, 0))
+        last[graphs.bucket(plan.num_tokens)] = kept
         return run(plan, fill)
 
     graphs.run = remembering

@@ -302,13 +302,19 @@ def _weight_dot(
     the hardware's); else ``_mxfp4_values`` (the interpreter has no
     ``dot_scaled``).
     """
+    # One return at the end: the compiler builds every statement after a constexpr
+    # branch's early return too (the interpreter does not), and the 16-bit dot
+    # does not type-check on MXFP4 pointers.
     if MXFP4:
         blocks = tl.load(w_ptrs, mask=w_mask, other=0)
         scales = tl.load(s_ptrs, mask=s_mask, other=127)
         if MX_NATIVE:
-            return tl.dot_scaled(a, None, A_FORMAT, blocks, scales, "e2m1", acc)
-        return tl.dot(a, _mxfp4_values(blocks, scales, a.dtype), acc)
-    return tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+            acc = tl.dot_scaled(a, None, A_FORMAT, blocks, scales, "e2m1", acc)
+        else:
+            acc = tl.dot(a, _mxfp4_values(blocks, scales, a.dtype), acc)
+    else:
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
