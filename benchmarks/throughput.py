@@ -126,7 +126,7 @@ def decode_step_profile(engine: LLMEngine, model, batch: int, last_plans: dict) 
     if graphs is None or batch not in graphs.graphs or plan is None or not plan.decode_only:
         return {}
     engine.runner.bind()
-    graphs._stage(plan, batch)  # the last decode step of `batch` sequences, as it ran
+    graphs._stage(workloads.with_known_tokens(plan), batch)  # the last decode step, as it ran
     graph = graphs.graphs[batch]
     for _ in range(3):
         graph.replay()

@@ -58,18 +58,25 @@ def prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]],
 
 def keep_last_plans(graphs) -> dict:
     """Remember the last step each padded size ran, so a benchmark can stage it again
-    before replaying that size's graph alone (sizes share the static input buffers).
-
-    Tokens that were still being sampled (-1: the run filled them in on the
-    device) are kept as token 0, a valid id.
-    """
+    before replaying that size's graph alone (sizes share the static input buffers);
+    ``with_known_tokens`` makes such a plan replayable once the run is over."""
     last: dict = {}
     run = graphs.run
 
     def remembering(plan, fill):
-        kept = dataclasses.replace(plan, input_ids=np.maximum(plan.input_ids, 0))
-        last[graphs.bucket(plan.num_tokens)] = kept
+        last[graphs.bucket(plan.num_tokens)] = plan
         return run(plan, fill)
 
     graphs.run = remembering
     return last
+
+
+def with_known_tokens(plan):
+    """``plan`` with the tokens it left to the device (-1: still being sampled when it
+    ran, filled in on the device) set to what was sampled, read from its requests."""
+    missing = np.flatnonzero(plan.input_ids < 0)
+    ids = plan.input_ids.copy()
+    seq = np.searchsorted(plan.query_start, missing, side="right") - 1
+    for i, b in zip(missing, seq, strict=True):
+        ids[i] = plan.requests[b].token_ids[int(plan.positions[i])]
+    return dataclasses.replace(plan, input_ids=ids)
