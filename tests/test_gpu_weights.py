@@ -56,7 +56,8 @@ def test_bf16_weights_equal_transformers_router_teacher_forced(tmp_path):
     ours = load_model(str(ckpt), device=CUDA, dtype="bfloat16").model
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(CUDA).eval()
     seq = list(range(5, 70))
-    config = EngineConfig(num_kv_blocks=64, capture_weights="float16")
+    # Eager (padded, the graphs' kernels and shapes): hooks see the layers' inputs.
+    config = EngineConfig(num_kv_blocks=64, capture_weights="float16", enforce_eager=True)
     eng = LLMEngine(ours, config, CUDA)
     assert eng.runner.graphs is not None and eng.runner.capturer.in_kernel
     eng.add_request("a", seq, SamplingParams(max_tokens=1))
