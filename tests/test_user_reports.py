@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import h5py
 import pytest
 from test_cli_entry import moetrace
 
@@ -78,3 +79,19 @@ def test_an_empty_or_all_bad_input_leaves_no_file_from_stdin_as_from_a_file(tmp_
         assert proc.returncode == 1 and not out.exists(), proc.stderr
         said.append(proc.stderr.strip().splitlines()[-1].replace("<stdin>", "p.jsonl"))
     assert said[0] == said[1]
+
+
+@pytest.mark.parametrize("part", ["prompt", "output"])
+def test_the_request_view_honours_part(recorded, part):
+    proc = moetrace("inspect", "s0.h5", "-v", "requests", "--part", part, "--json", cwd=recorded)
+    assert proc.returncode == 0, proc.stderr
+    got = {q["id"]: q for q in json.loads(proc.stdout)["request_table"]}
+    with h5py.File(recorded / "s0.h5", "r") as f:  # the expected figures from the file alone
+        for rec in f["requests"][:]:
+            r0, n, p = int(rec["row_start"]), int(rec["num_rows"]), int(rec["prompt_len"])
+            rows = f["routed_experts"][r0 : r0 + n]
+            rows = rows[:p] if part == "prompt" else rows[p:]
+            q = got[rec["id"].decode()]
+            assert q["part"] == part and q["rows"] == len(rows)
+            repeat = (rows[1:, :, 0] == rows[:-1, :, 0]).mean()
+            assert q["top1_repeat"] == pytest.approx(float(repeat))

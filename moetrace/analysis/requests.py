@@ -8,17 +8,28 @@ from moetrace.analysis.tokens import TokenText
 from moetrace.trace.reader import Trace, TraceRequest
 
 
-def _routing(req: TraceRequest, columns: np.ndarray | None) -> np.ndarray:
+def _routing(req: TraceRequest, columns: np.ndarray | None, part: str = "all") -> np.ndarray:
+    """The request's rows of the selected layers, all of them or those of one part.
+
+    Row t is token t's routing, so the prompt's rows come first.
+    """
     rows = req.routed_experts
+    if part == "prompt":
+        rows = rows[: req.prompt_len]
+    elif part == "output":
+        rows = rows[req.prompt_len :]
     return rows if columns is None else rows[:, columns]
 
 
-def request_figures(req: TraceRequest, rows: np.ndarray, num_experts: int) -> dict:
+def request_figures(
+    req: TraceRequest, rows: np.ndarray, num_experts: int, part: str = "all"
+) -> dict:
     """One request's shape plus routing figures averaged over its layers.
 
-    ``top1_repeat``: share of consecutive token pairs whose top-1 expert is the
-    same; ``experts_touched``: distinct experts a layer used for this request,
-    as a share of all experts.
+    ``rows`` are the rows of ``part`` (all, prompt or output tokens), which the
+    figures describe: ``top1_repeat``: share of consecutive token pairs whose
+    top-1 expert is the same; ``experts_touched``: distinct experts a layer
+    used, as a share of all experts.
     """
     n, num_layers = rows.shape[0], rows.shape[1]
     repeat = float((rows[1:, :, 0] == rows[:-1, :, 0]).mean()) if n > 1 else None
@@ -33,7 +44,8 @@ def request_figures(req: TraceRequest, rows: np.ndarray, num_experts: int) -> di
         "record": req.position,
         "prompt_len": req.prompt_len,
         "output_len": req.output_len,
-        "rows": req.num_rows,
+        "part": part,
+        "rows": int(n),
         "finish_reason": req.finish_reason,
         "num_cached_tokens": req.num_cached_tokens,
         "num_preemptions": req.num_preemptions,
@@ -43,10 +55,10 @@ def request_figures(req: TraceRequest, rows: np.ndarray, num_experts: int) -> di
 
 
 def request_table(
-    trace: Trace, positions: np.ndarray, columns: np.ndarray | None = None
+    trace: Trace, positions: np.ndarray, columns: np.ndarray | None = None, part: str = "all"
 ) -> list[dict]:
     return [
-        request_figures(req, _routing(req, columns), trace.num_experts)
+        request_figures(req, _routing(req, columns, part), trace.num_experts, part)
         for req in (trace.request(int(p)) for p in positions)
     ]
 

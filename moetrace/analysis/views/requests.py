@@ -14,12 +14,15 @@ def wanted(opts: InspectOptions) -> bool:
 
 
 def result(ctx: ViewContext, accumulators: list) -> dict:
-    return {"request_table": request_table(ctx.trace, ctx.shown, ctx.selection.columns)}
+    part = ctx.selection.part
+    return {"request_table": request_table(ctx.trace, ctx.shown, ctx.selection.columns, part)}
 
 
 def render(console: Console, r: dict) -> None:
     rows = r["request_table"]
-    t = table(f"requests ({len(rows):,} shown of {r['selection']['requests']:,})")
+    part = r["selection"]["part"]
+    scope = "" if part == "all" else f"; rows and reuse of {part} tokens"
+    t = table(f"requests ({len(rows):,} shown of {r['selection']['requests']:,}{scope})")
     for name in ("id", "prompt", "output", "rows", "finish", "cached", "preempt"):
         t.add_column(name, justify="right" if name not in ("id", "finish") else "left")
     t.add_column("top-1 rep.", justify="right")
