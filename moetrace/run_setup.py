@@ -28,6 +28,7 @@ from moetrace.models.demo import cached_model, model_dir
 from moetrace.models.loader import LoadedModel
 from moetrace.tokenizer import Tokenizer
 from moetrace.trace.metadata import TraceMetadata
+from moetrace.trace.tokenizer_files import collect as collect_tokenizer_files
 
 
 def check_supported(*, pipeline_parallel_size: int = 1, cpu_offload_gb: float = 0.0) -> None:
@@ -196,12 +197,19 @@ def model_metadata(
         top_k=model.top_k,
         vocab_size=model.vocab_size,
         tokenizer=None if tokenizer is None else tokenizer.path,
+        tokenizer_files=_tokenizer_files(tokenizer),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         engine_settings=engine_settings,
         moetrace_version=__version__,
         weights_dtype=engine.config.capture_weights,
         logprobs=logprobs,
     )
+
+
+def _tokenizer_files(tokenizer: Tokenizer | None) -> dict[str, bytes]:
+    """The files the trace carries so that its ids read as text anywhere."""
+    directory = getattr(tokenizer, "directory", None)
+    return collect_tokenizer_files(directory) if directory is not None else {}
 
 
 class RunSpec(Protocol):

@@ -279,6 +279,11 @@ class Tokenizer:
         return self._path
 
     @property
+    def directory(self) -> Path | None:
+        """The directory its files came from (None for one built in memory)."""
+        return None if self._path is None else Path(self._path).parent
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -37,6 +37,7 @@ import pybase64
 from moetrace.errors import MoetraceError
 from moetrace.trace.metadata import TraceMetadata, expert_id_dtype
 from moetrace.trace.records import FinishedRequest
+from moetrace.trace.tokenizer_files import collect
 
 ENGINES = ("auto", "vllm", "sglang", "moetrace")
 NPY_MAGIC = b"\x93NUMPY"
@@ -83,6 +84,7 @@ class ModelShape:
             dtype=dtype,
             engine_settings=engine_settings,
             moetrace_version=__version__,
+            tokenizer_files={} if self.tokenizer is None else collect(Path(self.tokenizer).parent),
         )
 
 

@@ -56,6 +56,7 @@ def metadata_of(trace: Trace) -> TraceMetadata:
         engine_settings=md.get("engine_settings") or {},
         weights_dtype=trace.weights_dtype,
         logprobs=trace.has_logprobs,
+        tokenizer_files=trace.tokenizer_files,
     )
 
 

@@ -36,7 +36,15 @@ class TokenText:
 
 
 def token_text(trace: Trace, tokenizer: str | None = None) -> TokenText:
-    """The trace's tokenizer (``tokenizer`` overrides it: a tokenizer.json or its directory)."""
+    """The trace's tokenizer (``tokenizer`` overrides it: a tokenizer.json or its directory).
+
+    The tokenizer.json the trace carries comes first; a trace written before
+    traces carried it names a path, which may not exist on this machine.
+    """
+    stored = trace.tokenizer_files.get("tokenizer.json") if not tokenizer else None
+    if stored is not None:
+        return _tokenizers_text(_load(lambda t: t.from_str(stored.decode("utf-8")), "the trace"),
+                                "the trace's tokenizer.json")  # fmt: skip
     path = tokenizer or trace.metadata.get("tokenizer") or ""
     if not path and trace.metadata.get("model") == "demo":
         from moetrace.tokenizer import ByteTokenizer
@@ -52,13 +60,19 @@ def token_text(trace: Trace, tokenizer: str | None = None) -> TokenText:
         if tokenizer:
             raise MoetraceError(f"no tokenizer file at {file}")
         return TokenText(source=f"none ({file} not found)")
+    return _tokenizers_text(_load(lambda t: t.from_file(str(file)), str(file)), str(file))
+
+
+def _load(make, origin: str):
     import tokenizers
 
     try:
-        tok = tokenizers.Tokenizer.from_file(str(file))
+        return make(tokenizers.Tokenizer)
     except Exception as exc:  # the Rust side raises plain Exception
-        raise MoetraceError(f"{file}: cannot load tokenizer ({exc})".splitlines()[0]) from None
+        raise MoetraceError(f"{origin}: cannot load tokenizer ({exc})".splitlines()[0]) from None
 
+
+def _tokenizers_text(tok, source: str) -> TokenText:
     def decode(i: int) -> str | None:
         text = tok.decode([i], skip_special_tokens=False)
         if text and "\ufffd" not in text:
@@ -68,7 +82,7 @@ def token_text(trace: Trace, tokenizer: str | None = None) -> TokenText:
     def encode(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False).ids
 
-    return TokenText(decode, str(file), encode)
+    return TokenText(decode, source, encode)
 
 
 def _byte_decoder(byte):

@@ -40,6 +40,8 @@ class TraceMetadata:
     moetrace_version: str = ""
     weights_dtype: str | None = None  # "float16" or "float32": routed_weights is written
     logprobs: bool = False  # the logprobs array is written
+    # The tokenizer's files, stored in the trace (trace/tokenizer_files.py), by name.
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in (None, *WEIGHT_DTYPES):

@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from moetrace.errors import MoetraceError
+from moetrace.trace import tokenizer_files
 from moetrace.trace.integrity import expected_num_rows, plain_value, request_checksum
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
@@ -207,6 +208,15 @@ class Trace:
         return self._table["id"].tolist()
 
     @property
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer's files the trace carries (tokenizer.json, its config), by name.
+
+        Empty for a trace written before they were stored: then only the root
+        attribute ``tokenizer`` (a path on the machine that recorded) names it.
+        """
+        return tokenizer_files.read(self._file)
+
+    @property
     def sample_indices(self) -> np.ndarray:
         """Each record's sample index (several samples of one prompt); zeros in older files."""
         if "sample_index" in (self._table.dtype.names or ()):
@@ -366,7 +376,7 @@ class Trace:
                 f"datasets hold {extents[0]} rows and {extents[1]} tokens, "
                 f"records account for {self.num_rows} and {self.num_tokens}"
             )
-        return problems
+        return problems + tokenizer_files.problems(self._file)
 
     def layout_problems(self) -> list[str]:
         """Per record, what is wrong with its counts and offsets ("" if nothing); reads no data."""

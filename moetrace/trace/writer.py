@@ -34,6 +34,7 @@ import numpy as np
 from moetrace._version import __version__
 from moetrace.errors import MoetraceError
 from moetrace.output_files import check_replaceable
+from moetrace.trace import tokenizer_files
 from moetrace.trace.diskspace import (
     RESERVE_ENV,
     DiskFullError,
@@ -464,6 +465,7 @@ class TraceWriter:
                 REQUESTS, shape=(0,), maxshape=(None,), chunks=(REQUEST_CHUNK,), dtype=REQUEST_DTYPE
             )
             f.attrs.update(_root_attrs(md))
+            tokenizer_files.write(f, md.tokenizer_files)
             if self.expected_requests is not None:
                 f.attrs["expected_requests"] = self.expected_requests
             f.flush()
