@@ -231,23 +231,84 @@ class Trace:
 
     # -- requests ------------------------------------------------------------
 
-    def request(self, key: int | str) -> TraceRequest:
-        """Request by record number (negative counts from the end) or by request id."""
-        if isinstance(key, str):
+    def request(self, key: int | str | tuple[str, int]) -> TraceRequest:
+        """Request by record number (negative counts from the end), by request id, or by
+        ``(id, sample_index)`` (an id alone is its sample 0: the only one unless ``n`` > 1)."""
+        pos = self._position(key)
+        return self._make(pos, self._read_slices(self._table[pos]))
+
+    def _position(self, key: int | str | tuple[str, int]) -> int:
+        if isinstance(key, (str, tuple)):
+            rid, sample = (key, 0) if isinstance(key, str) else key
             if self._positions is None:
                 self._positions = {}
-                for i, rid in enumerate(self._table["id"]):
-                    self._positions.setdefault(rid, i)
-            if key not in self._positions:
-                raise KeyError(f"no request with id {key!r} in {self.path}")
-            pos = self._positions[key]
-        else:
-            pos = int(key)
-            if pos < 0:
-                pos += self.num_requests
-            if not 0 <= pos < self.num_requests:
-                raise IndexError(f"request {key} out of range ({self.num_requests} requests)")
-        return self._make(pos, self._read_slices(self._table[pos]))
+                samples = self.sample_indices.tolist()
+                for i, (r, k) in enumerate(zip(self._table["id"], samples, strict=True)):
+                    self._positions.setdefault((r, k), i)
+            if (rid, sample) not in self._positions:
+                which = f"id {rid!r}" + (f" sample {sample}" if sample else "")
+                raise KeyError(f"no request with {which} in {self.path}")
+            return self._positions[rid, sample]
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+            raise TypeError(f"a request is found by position, id or (id, sample), not {key!r}")
+        pos = int(key) + (self.num_requests if key < 0 else 0)
+        if not 0 <= pos < self.num_requests:
+            raise IndexError(f"request {key} out of range ({self.num_requests} requests)")
+        return pos
+
+    def __getitem__(self, key: int | str | tuple[str, int] | slice):
+        """``trace[i]``, ``trace["id"]``, ``trace["id", 2]``; a slice gives a list, file order."""
+        if isinstance(key, slice):
+            return [self.request(i) for i in range(*key.indices(self.num_requests))]
+        return self.request(key)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self._position(key)  # type: ignore[arg-type]
+        except (KeyError, IndexError, TypeError):
+            return False
+        return True
+
+    def in_input_order(self) -> Iterator[TraceRequest]:
+        """The requests in the order of the input (``index``, then ``sample_index``).
+
+        Iterating the trace itself gives file order (as requests finished),
+        reading many at once; this reads one request at a time.
+        """
+        keys = np.lexsort((self.sample_indices, self._table["index"]))
+        for pos in keys.tolist():
+            yield self.request(pos)
+
+    def to_pandas(self):
+        """The request table as a ``pandas.DataFrame``, one row per request, file order.
+
+        Columns: id, sample_index, index, prompt_len, output_len, num_rows,
+        finish_reason (its name), num_cached_tokens, num_preemptions, extra (a
+        dict) and the offsets row_start and token_start; the index is the
+        record number.  Needs pandas (``pip install 'moetrace[pandas]'``).
+        """
+        try:
+            import pandas as pd
+        except ImportError:
+            raise MoetraceError(
+                "Trace.to_pandas needs pandas: pip install 'moetrace[pandas]'"
+            ) from None
+        t = self._table
+        columns = {
+            "id": t["id"].tolist(),
+            "sample_index": self.sample_indices,
+            "index": t["index"],
+            "prompt_len": t["prompt_len"],
+            "output_len": t["output_len"],
+            "num_rows": t["num_rows"],
+            "finish_reason": [self._reason_names[int(c)] for c in t["finish_reason"]],
+            "num_cached_tokens": t["num_cached_tokens"],
+            "num_preemptions": t["num_preemptions"],
+            "extra": [json.loads(x) if x else {} for x in t["extra"]],
+            "row_start": t["row_start"],
+            "token_start": t["token_start"],
+        }
+        return pd.DataFrame(columns, index=pd.RangeIndex(len(t), name="record"))
 
     def _read_slices(self, rec: np.void) -> dict[str, np.ndarray]:
         """One record's slice of every array the file holds, each read on its own."""
