@@ -11,14 +11,20 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# What the demo needs: torch and moetrace itself.
+$(VENV)/.installed-core: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# What the tests and the linters need besides.
+$(VENV)/.installed: $(VENV)/.installed-core
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
 
-demo: install
+demo: $(VENV)/.installed-core
 	printf '%s\n' \
 	  '{"id": "greeting", "prompt": "Hello! Tell me about experts."}' \
 	  '{"id": "code", "prompt": "def fibonacci(n):", "max_tokens": 24}' \
