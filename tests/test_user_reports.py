@@ -48,7 +48,11 @@ def test_a_merge_of_some_shards_stays_incomplete(recorded):
     proc = moetrace("merge", "two.h5", "s0.h5", "s1.h5", cwd=recorded)
     assert proc.returncode == 0, proc.stderr
     assert "marked incomplete: shard(s) 2 of 3 not given" in proc.stderr
-    assert moetrace("verify", "two.h5", cwd=recorded).returncode == 3  # incomplete
+    verified = moetrace("verify", "two.h5", cwd=recorded)
+    assert verified.returncode == 3  # incomplete
+    assert (
+        "merge again with every shard, or with --as-complete" in verified.stdout + verified.stderr
+    )
     proc = moetrace("merge", "all.h5", "s0.h5", "s1.h5", "s2.h5", cwd=recorded)
     assert proc.returncode == 0 and "complete" in proc.stderr
     assert moetrace("verify", "all.h5", cwd=recorded).returncode == 0

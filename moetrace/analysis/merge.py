@@ -21,6 +21,7 @@ from moetrace.output_files import check_new_output, check_not_an_input
 from moetrace.prompt_shards import check_shard_set
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace
+from moetrace.trace.verify import PARTIAL_MERGE
 from moetrace.trace.writer import TraceWriter
 
 MUST_MATCH = (
@@ -153,7 +154,7 @@ def merge_traces(
         )
         provenance, requests, rows = [], 0, 0
         complete = not partial or as_complete
-        end_reason = "complete" if not partial else "partial merge: " + "; ".join(partial)
+        end_reason = "complete" if not partial else f"{PARTIAL_MERGE}: " + "; ".join(partial)
         writer.start()
         try:
             for shard in shards:

@@ -37,6 +37,9 @@ from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.reader import Trace
 from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS
 
+# How a merge of some of a split's shards begins its end_reason (analysis/merge.py).
+PARTIAL_MERGE = "partial merge"
+
 
 @dataclass
 class VerifyReport:
@@ -75,6 +78,11 @@ class VerifyReport:
             )
         if self.status == "incomplete":
             why = f" ({self.end_reason})" if self.end_reason else ""
+            if (self.end_reason or "").startswith(PARTIAL_MERGE):
+                return (
+                    f"{self.path}: incomplete{why}: {held}, all intact; merge again with every "
+                    "shard, or with --as-complete if this subset is what you want"
+                )
             return (
                 f"{self.path}: incomplete{why}: {held}, all intact; "
                 "finish it with 'moetrace record ... --resume'"
