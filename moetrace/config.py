@@ -19,6 +19,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     capture_routing: bool = True
     capture_weights: str | None = None  # "float16"/"float32": gate weights beside the ids
+    force_routing: bool = False  # scoring requests may route through given experts (replay)
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0  # KV budget when running on the CPU
     seed: int = 0

@@ -31,6 +31,8 @@ __all__ = [
     "descending_weights",
     "load_reference_model",
     "make_tiny_checkpoint",
+    "perturb_routers",
+    "reference_forced_logprobs",
     "reference_greedy",
     "reference_logprobs",
     "reference_routing",
@@ -575,3 +577,81 @@ def reference_greedy(
     if len(new) != max_new_tokens:
         raise RuntimeError(f"generate returned {len(new)} new tokens, wanted {max_new_tokens}")
     return new
+
+
+# -- routing replay on transformers' side: perturbed routers, forced experts --------------
+
+
+@torch.no_grad()
+def perturb_routers(checkpoint_dir: Path, out_dir: Path, *, scale: float, seed: int) -> Path:
+    """A copy of a checkpoint whose router weights have seeded noise of ``scale`` x their std
+    added (everything else unchanged), saved by transformers."""
+    model = load_reference_model(checkpoint_dir)
+    gen = torch.Generator().manual_seed(seed)
+    for router in _routers(model, _family_of(model)).values():
+        w = router.weight
+        noise = torch.randn(w.shape, generator=gen, dtype=torch.float32) * float(w.std()) * scale
+        w.add_(noise.to(w.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
+def _forced_weights(family: str, router: nn.Module, logits: torch.Tensor, ids: torch.Tensor):
+    """The weight each family's router would give ``ids`` (routing replay), from its logits,
+    written from the modeling files' router code (not from moetrace)."""
+    if family in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        w = probs.gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(logits.dtype)
+    if family == "mixtral":
+        w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+        return w / w.sum(dim=-1, keepdim=True)
+    if family == "granitemoe":
+        return torch.softmax(logits.float().gather(1, ids), dim=-1)
+    if family == "gpt_oss":
+        values = logits.gather(1, ids)
+        return torch.softmax(values, dim=1, dtype=values.dtype)
+    if family == "deepseek_v3":
+        w = logits.sigmoid().gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * router.routed_scaling_factor
+    if family == "deepseek_v2":
+        return logits.softmax(dim=-1, dtype=torch.float32).gather(1, ids) * (
+            router.routed_scaling_factor
+        )
+    raise ValueError(f"no forced-weight rule for {family!r}")
+
+
+@torch.no_grad()
+def reference_forced_logprobs(
+    model: transformers.PreTrainedModel, token_ids: list[int], forced_ids: np.ndarray
+) -> np.ndarray:
+    """Like ``reference_logprobs`` (from a ``load_reference_model``), with every router's ids
+    replaced by ``forced_ids`` (``[len - 1, moe_layers, top_k]``) and its weights recomputed
+    over them by the family's rule: forward hooks on transformers' own router modules."""
+    spec = _family_of(model)
+    routers = _routers(model, spec)
+
+    def make_hook(moe_index: int) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            logits, indices, weights = _split_router_output(module, output)
+            logits = logits.reshape(-1, logits.shape[-1])
+            ids = torch.as_tensor(forced_ids[:, moe_index], dtype=indices.dtype)
+            new_weights = _forced_weights(spec.name, module, logits, ids).to(weights.dtype)
+            swap = {id(indices): ids.reshape(indices.shape), id(weights): new_weights}
+            return tuple(swap.get(id(t), t) for t in output)
+
+        return hook
+
+    handles = [r.register_forward_hook(make_hook(i)) for i, r in enumerate(routers.values())]
+    try:
+        input_ids = torch.tensor([token_ids[:-1]], dtype=torch.long)
+        logits = model(input_ids=input_ids, use_cache=False).logits[0].double()
+    finally:
+        for handle in handles:
+            handle.remove()
+    targets = torch.tensor(token_ids[1:], dtype=torch.long)[:, None]
+    return logits.log_softmax(dim=-1).gather(1, targets)[:, 0].numpy()

@@ -69,6 +69,7 @@ class FakeStep:
     output: SchedulerOutput
     routing: RoutedExpertsLists
     sampled: dict[str, int]
+    scores = None  # no scoring requests here
 
     def finish(self) -> dict[str, int]:
         return self.sampled

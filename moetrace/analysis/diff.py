@@ -11,7 +11,9 @@ Per (token, layer) the top-k *sets* are compared (router order aside); a
 token mismatches when any layer's set differs.  These are the figures of
 Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and
 Inference Routers" (R3, arXiv 2510.11370): the share of routers (token x
-layer) and of tokens that select different experts.
+layer) and of tokens that select different experts.  When both traces hold
+output log-probabilities, their drift over the same tokens is added
+(``logprob_drift.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from moetrace.analysis.logprob_drift import LogprobDrift
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import Trace, TraceRequest
 
@@ -215,6 +218,7 @@ def diff_traces(
     warnings = check_comparable(a, b)
     layers = [int(x) for x in a.metadata["moe_layer_indices"]]
     acc = RoutingDiff(len(layers))
+    drift = LogprobDrift() if a.has_logprobs and b.has_logprobs else None
     details, only_a, seen_b = [], [], set()
     rows_excluded = diverged = shorter = prompts_differ = unknown_tokens = 0
     for ra, rb in _pairs(a, b, match, ids):
@@ -225,6 +229,10 @@ def diff_traces(
         n, differs_at, is_shorter, unknown = compared_rows(ra, rb)
         unknown_tokens += unknown
         figures = acc.add(ra.routed_experts[:n], rb.routed_experts[:n], ra.prompt_len)
+        if drift is not None and ra.prompt_len == rb.prompt_len:
+            common = min(ra.prompt_len + ra.output_len, rb.prompt_len + rb.output_len)
+            scored = max(0, (common if differs_at is None else differs_at) - ra.prompt_len)
+            figures.update(drift.add(ra.output_logprobs[:scored], rb.output_logprobs[:scored]))
         excluded = max(ra.num_rows, rb.num_rows) - n
         rows_excluded += excluded
         prompt_same = ra.prompt_len == rb.prompt_len and (
@@ -293,6 +301,7 @@ def diff_traces(
         },
         "rows_excluded": rows_excluded,
         **result,
+        "logprobs": None if drift is None else drift.result(),
         "request_detail": details,
     }
 

@@ -1,4 +1,4 @@
-"""The ``moetrace`` command: record, inspect, export, diff, import, merge, verify."""
+"""The ``moetrace`` command: record, serve, replay, inspect, export, diff, import, merge, verify."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from moetrace.cli.inspect_cmd import inspect_command
 from moetrace.cli.merge_cmd import merge_command
 from moetrace.cli.pipes import quiet_on_closed_pipe
 from moetrace.cli.record_cmd import record_command
+from moetrace.cli.replay_cmd import replay_command
 from moetrace.cli.serve_cmd import serve_command
 from moetrace.cli.verify_cmd import verify_command
 from moetrace.errors import MoetraceError
@@ -31,6 +32,7 @@ app = typer.Typer(
 for _name, _command in (
     ("record", record_command),
     ("serve", serve_command),
+    ("replay", replay_command),
     ("inspect", inspect_command),
     ("export", export_command),
     ("diff", diff_command),

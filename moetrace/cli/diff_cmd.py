@@ -77,7 +77,7 @@ def _diff(
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        _render(StdoutConsole(), result, limit)
+        render_diff(StdoutConsole(), result, limit)
     return result
 
 
@@ -114,7 +114,8 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
 
 
-def _render(console: Console, d: dict, limit: int) -> None:
+def render_diff(console: Console, d: dict, limit: int) -> None:
+    """The tables of a ``diff_traces`` result (``diff`` and ``replay`` print them)."""
     req = d["requests"]
     head = Table(show_header=False, box=None, title=f"{d['a']}  vs  {d['b']}")
     head.add_row("verdict", f"[bold]{'identical' if d['identical'] else 'different'}[/bold]")
@@ -139,6 +140,21 @@ def _render(console: Console, d: dict, limit: int) -> None:
                 f"{part['tokens']:,}: token mismatch {_pct(part['token_mismatch'])}, "
                 f"router mismatch {_pct(part['router_mismatch'])}",
             )
+    lp = d.get("logprobs")
+    if lp:
+        head.add_row(
+            "log-probs",
+            f"{lp['tokens']:,} output tokens: mean |d| {lp['mean_abs_logprob_diff']:.2e}, "
+            f"max {lp['max_abs_logprob_diff']:.2e}",
+        )
+        head.add_row(
+            "KL(A || B)",
+            f"k3 {lp['kl_k3']:.3e}, k1 {lp['kl_k1']:.3e} (estimated on A's tokens)",
+        )
+        head.add_row(
+            "ratio > 2",
+            f"{_pct(lp['ratio_above_2'])} of tokens (probability changed by over 2x either way)",
+        )
     for w in d["warnings"]:
         head.add_row("[yellow]note[/yellow]", w)
     if req["only_in_a_ids"]:

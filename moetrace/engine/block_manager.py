@@ -35,7 +35,7 @@ class BlockManager:
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         self.epochs = np.zeros(num_blocks, dtype=np.int64)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
+        self._block_key: dict[int, tuple[int, tuple]] = {}  # block -> (hash, Request.cache_key)
         self._cached: dict[int, int] = {}  # hash -> block
         self._hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
 
@@ -54,26 +54,27 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(chain_hash(parent, request.cache_key(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks that hold the start of ``request``'s tokens.
 
         The last token is always left to compute, since the step must produce
-        its logits; so a hit stops one token short of the request's length.
+        its logits; so a hit stops one token short of the request's length
+        (or earlier: ``Request.num_cacheable_tokens``).
         """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
+        max_blocks = max(0, request.num_cacheable_tokens) // bs
         hits: list[int] = []
         for i, h in enumerate(self._full_block_hashes(request, max_blocks)):
             block = self._cached.get(h)
             if block is None:
                 break
-            tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
-            if self._block_key[block][1] != tokens:  # hash collision: never trust it
+            key = request.cache_key(i * bs, (i + 1) * bs)
+            if self._block_key[block][1] != key:  # hash collision: never trust it
                 break
             hits.append(block)
         return hits
@@ -122,7 +123,7 @@ class BlockManager:
             block = request.block_table[i]
             if block in self._block_key:
                 continue
-            self._block_key[block] = (h, tuple(request.token_ids[i * bs : (i + 1) * bs]))
+            self._block_key[block] = (h, request.cache_key(i * bs, (i + 1) * bs))
             self._cached.setdefault(h, block)
 
     def free(self, request: Request) -> None:

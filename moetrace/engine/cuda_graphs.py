@@ -244,6 +244,20 @@ class StepGraphs:
             gc.enable()
 
     # --------------------------------------------------------------------- run
+    def run_hidden(
+        self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every padded token's hidden state and the sampling rows' indices, from the padded
+        forward run eagerly: teacher forcing needs all positions, which no graph keeps."""
+        size = self.bucket(plan.num_tokens)
+        meta = self._stage(plan, size)
+        buf = self.buffers[size]
+        if fill is not None:
+            buf.ids.index_copy_(0, *fill)
+        with forward_context(meta):
+            hidden = self.runner.model(buf.ids, buf.positions)
+        return hidden, buf.rows[: len(plan.logits_rows)]
+
     def run(self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Logits of the plan's sampling rows (``[len(plan.logits_rows), vocab]``)."""
         size = self.bucket(plan.num_tokens)

@@ -15,7 +15,7 @@ from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
 from moetrace.engine.model_runner import LaunchedStep, ModelRunner, set_kernel_paths
 from moetrace.engine.precompile import count_compiles, precompile
-from moetrace.engine.request import Request, RequestStatus, TokenLogprob
+from moetrace.engine.request import Request, RequestStatus, Scoring, TokenLogprob
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.scheduler import Scheduler
 from moetrace.engine.stop_strings import StopStringMatcher, StreamingDecoder
@@ -174,9 +174,12 @@ class LLMEngine:
         )
         if problem is not None:
             raise RequestRejected(*problem)
-        n = len(prompt_token_ids)
+        self._check_capacity(len(prompt_token_ids) + sampling.max_tokens - 1)
+
+    def _check_capacity(self, tokens: int) -> None:
+        """Refuse a request whose KV (``tokens`` of it) could never fit the cache."""
         bs = self.config.block_size
-        blocks = -(-(n + sampling.max_tokens - 1) // bs)
+        blocks = -(-tokens // bs)
         if blocks > self.block_manager.num_blocks:
             raise CapacityError(
                 f"the KV cache holds {self.block_manager.num_blocks} blocks of {bs} tokens; one "
@@ -232,6 +235,73 @@ class LLMEngine:
         self._samples[request_id] = list(ids.values())
         return queued
 
+    def add_scoring_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        *,
+        logprobs_from: int,
+        forced_experts: np.ndarray | None = None,
+        index: int = 0,
+        sample_index: int = 0,
+    ) -> Request:
+        """Queue a teacher-forced sequence: nothing is sampled (``request.Scoring``).
+
+        The finished request has ``token_ids`` as its prompt, no output, one
+        routing row per token but the last, and in ``prompt_logprobs`` each
+        token's log-probability given the tokens before it, from
+        ``logprobs_from`` on (NaN before).  ``forced_experts`` (``[>= n - 1, L,
+        k]``) routes every MoE layer through those experts (the engine must be
+        built with ``force_routing``).
+        """
+        if request_id in self._samples or request_id in self._requests:
+            raise RequestRejected("id", f"duplicate request id {request_id!r}")
+        n = len(token_ids)
+        if n < 2:
+            raise RequestRejected("prompt", "a scored sequence needs at least 2 tokens")
+        if not 1 <= logprobs_from <= n:
+            raise ValueError(f"logprobs_from {logprobs_from} is outside 1..{n}")
+        vocab = self.model.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(
+                "token_ids", f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+        if n > self.max_model_len:
+            raise RequestRejected(
+                "token_ids", f"sequence has {n} tokens; the model's context is {self.max_model_len}"
+            )
+        self._check_capacity(n - 1)
+        if forced_experts is not None:
+            self._check_forced(forced_experts, n - 1)
+        request = Request(
+            request_id,
+            token_ids,
+            SamplingParams(max_tokens=1),  # never used: nothing is sampled
+            index=index,
+            sample_index=sample_index,
+            scoring=Scoring(n, logprobs_from, forced_experts),
+        )
+        self._requests[request_id] = request
+        self._samples[request_id] = [request_id]
+        self.scheduler.add(request)
+        return request
+
+    def _check_forced(self, forced: np.ndarray, rows: int) -> None:
+        shape = (len(self.model.moe_layer_indices), self.model.top_k)
+        if not self.config.force_routing:
+            raise RequestRejected("forced_experts", "the engine was built without force_routing")
+        if forced.ndim != 3 or forced.shape[1:] != shape or forced.shape[0] < rows:
+            raise RequestRejected(
+                "forced_experts",
+                f"forced experts of shape {list(forced.shape)}, need [>= {rows}, {shape[0]}, "
+                f"{shape[1]}]",
+            )
+        if forced.size and not 0 <= int(forced.min()) <= int(forced.max()) < self.model.num_experts:
+            raise RequestRejected(
+                "forced_experts", f"an expert id is outside 0..{self.model.num_experts - 1}"
+            )
+
     def _stop_strings(
         self, prompt_token_ids: list[int], params: SamplingParams
     ) -> StopStringMatcher | None:
@@ -269,6 +339,8 @@ class LLMEngine:
     def _complete(self, step: LaunchedStep) -> list[FinishedRequest]:
         """Wait for a launched step, store its routing rows, advance its requests."""
         sampled = step.finish()
+        if step.scores is not None:
+            step.scores.store()
         if step.routing is not None and self.routing_manager is not None:
             self.routing_manager.store_batch(step.routing)
         finished = self.scheduler.update(step.output, sampled, step.logprobs())
@@ -337,6 +409,7 @@ class LLMEngine:
             output_text=request.output_text,
             logprobs=logprobs,
             output_logprobs=None if logprobs is None else logprobs.token_logprob,
+            prompt_logprobs=None if request.scoring is None else request.scoring.logprobs,
         )
 
     def run(self) -> Iterator[FinishedRequest]:

@@ -24,6 +24,7 @@ from moetrace.engine.request import TokenLogprob
 from moetrace.engine.sampler import Logprobs, SamplingBatch, sample, token_logprobs
 from moetrace.engine.sampling_inputs import SamplingInputs
 from moetrace.engine.scheduler import SchedulerOutput
+from moetrace.engine.scoring import StepScores, TeacherForcing
 from moetrace.engine.staging import StagingRing
 from moetrace.engine.step_plan import StepPlan, build_plan
 from moetrace.engine.step_sync import publish_step, share_sampled, wrap_capturer
@@ -42,6 +43,7 @@ class LaunchedStep:
     sampled_host: torch.Tensor | None
     done: torch.cuda.Event | None
     logprobs_host: list[torch.Tensor] | None = None  # Logprobs.tensors(), on the host
+    scores: StepScores | None = None  # scoring requests' log-probabilities (teacher forcing)
 
     def finish(self) -> dict[str, int]:
         if self.sampled_host is None:
@@ -128,6 +130,7 @@ class ModelRunner:
             )
         if self.parallel is not None:
             self.capturer = wrap_capturer(self.capturer, self.parallel)
+        self.teacher = TeacherForcing(model, config, device)
         self._binding = object()  # marks the model as holding this runner's caches
         self.bind()
         self.graphs: StepGraphs | None = None
@@ -169,6 +172,7 @@ class ModelRunner:
         for layer, caches in zip(self.model.attention_layers(), self.kv_caches, strict=True):
             layer.bind_kv_cache(caches)
         self.model.set_capturer(self.capturer)
+        self.model.set_forced_routing(self.teacher.forced)
         self.model._moetrace_binding = self._binding
 
     def capture_graphs(self) -> None:
@@ -189,7 +193,15 @@ class ModelRunner:
         if self.parallel is not None:  # the workers start the same step from its host inputs
             publish_step(self.parallel, plan, fill_index)
         fill = self._stage_fill(fill_index, previous)
-        if self.graphs is not None:
+        scoring, targets = self.teacher.prepare(plan)
+        scores = None
+        if scoring:  # teacher forcing: every position's hidden state, eagerly
+            hidden, rows = self._run_hidden(plan, fill)
+            self.teacher.done_forcing()
+            logits = self.model.compute_logits(hidden[rows]) if plan.sampling_requests else None
+            if targets is not None:
+                scores = self.teacher.score(self.model, hidden, targets)
+        elif self.graphs is not None:
             logits = self.graphs.run(plan, fill)
         else:
             logits = self._run_eager(plan, fill)
@@ -217,7 +229,7 @@ class ModelRunner:
                 sampled_host = sampled_device
                 logprobs_host = None if logprobs is None else logprobs.tensors()
         return LaunchedStep(
-            output, plan, routing, sampled_device, sampled_host, done, logprobs_host
+            output, plan, routing, sampled_device, sampled_host, done, logprobs_host, scores
         )
 
     def _fill_index(
@@ -275,14 +287,29 @@ class ModelRunner:
     def _run_eager(
         self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
+        hidden, rows = self._eager_hidden(plan, fill)
+        if not plan.sampling_requests:
+            return hidden[:0]
+        return self.model.compute_logits(hidden[rows])
+
+    def _eager_hidden(
+        self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's hidden state, and the sampling rows' indices into them."""
         input_ids, positions, meta, rows = self.staged_inputs(plan)
         if fill is not None:
             input_ids.index_copy_(0, *fill)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
-        if not plan.sampling_requests:
-            return hidden[:0]
-        return self.model.compute_logits(hidden[rows])
+        return hidden, rows
+
+    def _run_hidden(
+        self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_eager_hidden``, at the padded size on the kernel path (no graph replay)."""
+        if self.graphs is not None:
+            return self.graphs.run_hidden(plan, fill)
+        return self._eager_hidden(plan, fill)
 
     def _sampling_batch(self, plan: StepPlan) -> SamplingBatch:
         return self.sampling_inputs.build(plan.sampling_requests)

@@ -34,6 +34,32 @@ class RequestStatus(enum.Enum):
         )
 
 
+class Scoring:
+    """What makes a request teacher-forced: every token is given and nothing is sampled.
+
+    The engine runs all tokens but the last (as for a finished request, whose
+    last token is never run), so the request gets one routing row per token
+    but the last, and the log-probability of each token from ``logprobs_from``
+    on, given the ones before it.  ``forced_experts`` (``[rows, L, k]``, at
+    least ``num_tokens - 1`` rows) routes token ``p`` through
+    ``forced_experts[p]`` at every MoE layer.
+    """
+
+    def __init__(
+        self, num_tokens: int, logprobs_from: int, forced_experts: np.ndarray | None = None
+    ) -> None:
+        self.logprobs_from = logprobs_from
+        self.forced_experts = forced_experts
+        self.logprobs = np.full(num_tokens, np.nan, dtype=np.float32)  # filled as steps end
+
+    def cache_salt(self, start: int, stop: int) -> bytes:
+        """What a prefix-cache block of tokens ``start:stop`` depends on beyond its tokens:
+        the experts forced on them (KV computed under other experts is another KV)."""
+        if self.forced_experts is None:
+            return b""
+        return np.ascontiguousarray(self.forced_experts[start:stop]).tobytes()
+
+
 @dataclass
 class TokenLogprob:
     """One sampled token's log-probabilities (host side), as the sampler computed them."""
@@ -62,6 +88,7 @@ class Request:
         sample_index: int = 0,
         parent_id: str | None = None,
         stop_strings: StopStringMatcher | None = None,
+        scoring: Scoring | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
@@ -87,6 +114,29 @@ class Request:
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.status = RequestStatus.WAITING
+        self.scoring = scoring
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens to run before it ends or samples: all but a scoring request's last."""
+        return self.num_tokens - 1 if self.scoring is not None else self.num_tokens
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """The most leading tokens a prefix-cache hit may serve.
+
+        At least one token must run (its logits sample the next one); a scoring
+        request must also compute every position whose logits give a wanted
+        log-probability.
+        """
+        if self.scoring is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 2, self.scoring.logprobs_from - 1)
+
+    def cache_key(self, start: int, stop: int) -> tuple:
+        """What decides whether a cached block holds tokens ``start:stop`` of this request."""
+        tokens = tuple(self.token_ids[start:stop])
+        return tokens if self.scoring is None else (tokens, self.scoring.cache_salt(start, stop))
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,10 @@ when nothing is in flight: the engine drains first (``needs_preemption``).
 Before any request's blocks are freed (finish, abort, preemption) the
 ``before_free`` callback runs, so the routing rows in those blocks can be saved
 while they are still valid.
+
+A scoring request (``Request.scoring``: teacher forcing) follows the same rule
+over its given tokens but the last, samples nothing, and ends with the step
+that ran its last chunk.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------- schedule
     def _wants(self, request: Request) -> int:
+        if request.scoring is not None:
+            return request.num_tokens_to_compute - request.num_computed_tokens
         if request.awaiting_last_token:
             return 0
         return request.num_scheduled_tokens - request.num_computed_tokens
@@ -93,7 +99,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         before = request.num_computed_tokens
-        samples = before + num_new == request.num_scheduled_tokens
+        # A scoring request never samples: all its tokens are given.
+        samples = request.scoring is None and before + num_new == request.num_scheduled_tokens
         out.scheduled.append(ScheduledRequest(request, num_new, before, samples))
         request.num_computed_tokens = before + num_new
         if samples:
@@ -129,7 +136,7 @@ class Scheduler:
             request = self.waiting[0]
             cached = bm.find_cached_prefix(request)
             num_cached = len(cached) * bm.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens_to_compute - num_cached, budget)
             if not bm.allocate(request, num_cached + num_new, cached):
                 break
             self.waiting.popleft()
@@ -182,7 +189,18 @@ class Scheduler:
             if item.samples and request.check_stop():
                 self._release(request)
                 finished.append(request)
+            elif request.scoring is not None and self._ran_last_chunk(item):
+                request.status = RequestStatus.FINISHED_LENGTH
+                self._release(request)
+                finished.append(request)
         return finished
+
+    @staticmethod
+    def _ran_last_chunk(item: ScheduledRequest) -> bool:
+        """This step ran a scoring request's last tokens (a later step may already be
+        scheduled with asynchronous scheduling, so the request's own count says nothing)."""
+        end = item.num_computed_before + item.num_new_tokens
+        return end >= item.request.num_tokens_to_compute
 
     def abort(self, request_ids: set[str]) -> list[Request]:
         """Stop these requests now (call with nothing in flight); what they computed is kept."""

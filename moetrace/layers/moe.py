@@ -2,7 +2,10 @@
 
 Selection functions return ``(weights, ids)`` with ids in router order
 (descending score), exactly as the reference implementation of each family
-picks them; the ids are what the trace records.
+picks them; the ids are what the trace records.  Beside each one, a
+``*_weights`` function gives the weights that family's rule assigns to ids
+chosen elsewhere (forced routing replays recorded ids, ``forced_routing.py``);
+for the ids the selection itself picks, it gives the selection's weights.
 """
 
 from __future__ import annotations
@@ -17,19 +20,30 @@ from moetrace.errors import ModelError
 from moetrace.layers.mxfp4 import dequantize_mxfp4
 
 
+def _router_probs(router_logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over every expert, in float32 (float64 for float64 logits)."""
+    dtype = torch.float32 if router_logits.dtype != torch.float64 else torch.float64
+    return F.softmax(router_logits, dim=-1, dtype=dtype)
+
+
 def softmax_topk(
     router_logits: torch.Tensor, top_k: int, *, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, then top-k (Qwen-MoE, OLMoE, DeepSeek-V2 greedy)."""
-    probs = F.softmax(
-        router_logits,
-        dim=-1,
-        dtype=torch.float32 if router_logits.dtype != torch.float64 else torch.float64,
-    )
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = torch.topk(_router_probs(router_logits), top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def softmax_weights(
+    router_logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool
+) -> torch.Tensor:
+    """``softmax_topk``'s weights for ``ids``: their softmax shares (renormalised over them)."""
+    weights = _router_probs(router_logits).gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +55,12 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor,
     """
     values, ids = torch.topk(router_logits, top_k, dim=-1)
     return F.softmax(values, dim=-1, dtype=values.dtype), ids
+
+
+def topk_softmax_weights(router_logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``topk_softmax``'s weights for ``ids``: a softmax over their logits."""
+    values = router_logits.gather(1, ids)
+    return F.softmax(values, dim=-1, dtype=values.dtype)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_groups: int, group_size: int) -> torch.Tensor:
@@ -56,7 +76,9 @@ def group_limited_softmax_topk(
     """DeepSeek-V2 ``group_limited_greedy``: softmax, keep the groups with the best single expert.
 
     Experts outside the kept groups get score 0 (not -inf), as in the reference,
-    and the top-k runs over every expert.
+    and the top-k runs over every expert.  Weights for given ids: their softmax
+    shares, ``softmax_weights`` (a forced expert outside the groups this token's
+    router would keep still gets its share, not 0).
     """
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     tokens, experts = probs.shape
@@ -87,10 +109,17 @@ def sigmoid_group_topk(
     group_scores = choice.view(tokens, num_groups, size).topk(2, dim=-1).values.sum(dim=-1)
     choice = choice.masked_fill(~_group_mask(group_scores, topk_groups, size), float("-inf"))
     ids = torch.topk(choice, top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
+    return sigmoid_weights(router_logits, ids, renormalize=renormalize), ids
+
+
+def sigmoid_weights(
+    router_logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool
+) -> torch.Tensor:
+    """``sigmoid_group_topk``'s weights for ``ids``: unbiased sigmoid scores (renormalised)."""
+    weights = router_logits.sigmoid().gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights, ids
+    return weights
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}

@@ -15,13 +15,37 @@ from torch import nn
 
 from moetrace.capture.capturer import RoutingCapturer
 from moetrace.layers.attention import PagedAttention
+from moetrace.layers.forced_routing import ForcedRouting
 
 
 class MoEBlockBase(nn.Module):
-    """Common capture hook of a routed MLP: records the ids it selected and their weights."""
+    """What every routed MLP shares: routing (its own, or forced) and the capture hook.
+
+    A family's block says how its router picks (``select``) and how it weighs
+    given ids (``weights_for``); ``route`` applies forced routing on top.
+    """
 
     moe_index: int = -1
     capturer: RoutingCapturer | None = None
+    forced_routing: ForcedRouting | None = None
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) the family's router picks from its logits, ids in router order."""
+        raise NotImplementedError
+
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weights the family's rule gives ``ids`` (``select``'s own, for its own ids)."""
+        raise NotImplementedError
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select``, with the forced tokens' ids and weights replaced when routing is forced."""
+        weights, ids = self.select(logits)
+        forced = self.forced_routing
+        if forced is not None and forced.active:
+            weights, ids = forced.apply(
+                self.moe_index, weights, ids, lambda given: self.weights_for(logits, given)
+            )
+        return weights, ids
 
     def record(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Capture the ids and the weights the experts' outputs are multiplied by.
@@ -76,3 +100,7 @@ class MoEForCausalLM(nn.Module):
     def set_capturer(self, capturer: RoutingCapturer | None) -> None:
         for block in self.moe_blocks():
             block.capturer = capturer
+
+    def set_forced_routing(self, forced: ForcedRouting | None) -> None:
+        for block in self.moe_blocks():
+            block.forced_routing = forced

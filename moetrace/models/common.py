@@ -16,7 +16,7 @@ from torch import nn
 
 from moetrace.errors import ModelError
 from moetrace.layers.attention import PagedAttention
-from moetrace.layers.moe import MoEExperts, softmax_topk
+from moetrace.layers.moe import MoEExperts, softmax_topk, softmax_weights
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding
 from moetrace.models.base import MoEBlockBase, MoEForCausalLM
@@ -82,11 +82,17 @@ class SoftmaxTopKMoEBlock(MoEBlockBase):
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, intermediate)
 
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(logits, self.top_k, renormalize=self.renormalize)
+
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return softmax_weights(logits, ids, renormalize=self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate)
         if self.logits_in_float32:
             logits = logits.float()
-        weights, ids = softmax_topk(logits, self.top_k, renormalize=self.renormalize)
+        weights, ids = self.route(logits)
         weights = weights.to(x.dtype)
         self.record(ids, weights)
         return self.experts(x, weights, ids)

@@ -31,7 +31,9 @@ from moetrace.layers.moe import (
     MoEExperts,
     group_limited_softmax_topk,
     sigmoid_group_topk,
+    sigmoid_weights,
     softmax_topk,
+    softmax_weights,
 )
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
@@ -138,9 +140,15 @@ class DeepseekMoE(MoEBlockBase):
             return group_limited_softmax_topk(logits, self.top_k, self.num_groups, self.topk_groups)
         return softmax_topk(logits, self.top_k, renormalize=False)
 
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """V3: sigmoid scores of ``ids`` (renormalised); V2: their softmax shares."""
+        if self.version == 3:
+            return sigmoid_weights(logits, ids, renormalize=self.renormalize)
+        return softmax_weights(logits, ids, renormalize=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.to(torch.float32), self.gate)
-        weights, ids = self.select(logits)
+        weights, ids = self.route(logits)
         weights = weights * self.scaling
         self.record(ids, weights)
         out = self.experts(x, weights, ids)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.moe import MoEExperts, topk_softmax
+from moetrace.layers.moe import MoEExperts, topk_softmax, topk_softmax_weights
 from moetrace.layers.mxfp4 import quant_method
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
@@ -113,9 +113,15 @@ class GptOssBlock(MoEBlockBase):
             weight_format=weight_format,
         )
 
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return topk_softmax(logits, self.top_k)
+
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return topk_softmax_weights(logits, ids)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Logits, top-k and softmax all in the model dtype, as the reference.
-        weights, ids = topk_softmax(self.router(x), self.top_k)
+        weights, ids = self.route(self.router(x))
         self.record(ids, weights)
         return self.experts(x, weights, ids)
 

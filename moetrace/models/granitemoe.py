@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.moe import MoEExperts, topk_softmax
+from moetrace.layers.moe import MoEExperts, topk_softmax, topk_softmax_weights
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
 from moetrace.models.base import MoEBlockBase
@@ -49,9 +49,15 @@ class GraniteMoeBlock(MoEBlockBase):
         self.router = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, config["intermediate_size"])
 
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return topk_softmax(logits, self.top_k)
+
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return topk_softmax_weights(logits, ids)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The reference takes the logits to float32 before top-k and softmax.
-        weights, ids = topk_softmax(F.linear(x, self.router).float(), self.top_k)
+        weights, ids = self.route(F.linear(x, self.router).float())
         weights = weights.to(x.dtype)
         self.record(ids, weights)
         return self.experts(x, weights, ids)

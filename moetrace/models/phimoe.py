@@ -44,16 +44,27 @@ ROPE_THETA = 1e6  # PhimoeConfig's default theta, for configs that give none
 
 def sparsemixer_top2(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) of PhiMoE's sparsemixer in eval mode, op for op as the reference."""
-    top, first = logits.max(dim=-1, keepdim=True)
+    first = logits.argmax(dim=-1, keepdim=True)
+    second = torch.scatter(logits, -1, first, float("-inf")).argmax(dim=-1, keepdim=True)
+    ids = torch.cat((first, second), dim=-1)
+    return sparsemixer_weights(logits, ids, jitter_eps), ids
+
+
+def sparsemixer_weights(logits: torch.Tensor, ids: torch.Tensor, jitter_eps: float) -> torch.Tensor:
+    """The sparsemixer's weights for a (first, second) pair: each pick's softmax over the logits
+    within a relative ``2 * jitter_eps`` of its own logit, the second pick's with the first
+    masked out.  For the pair the sparsemixer picks, its own weights."""
+    first, second = ids[:, :1], ids[:, 1:2]
+    top = logits.gather(-1, first)
     factor = logits.abs().clamp(min=top)
     masked = logits.masked_fill((top - logits) / factor > 2 * jitter_eps, float("-inf"))
     weight_first = torch.softmax(masked, dim=-1).gather(-1, first)
     rest = torch.scatter(logits, -1, first, float("-inf"))
-    top, second = rest.max(dim=-1, keepdim=True)
+    top = rest.gather(-1, second)
     factor = logits.abs().clamp(min=top)  # the reference scales by the unmasked logits here
     masked = rest.masked_fill((top - logits) / factor > 2 * jitter_eps, float("-inf"))
     weight_second = torch.softmax(masked, dim=-1).gather(-1, second)
-    return torch.cat((weight_first, weight_second), dim=-1), torch.cat((first, second), dim=-1)
+    return torch.cat((weight_first, weight_second), dim=-1)
 
 
 class PhimoeRotary(RotaryEmbedding):
@@ -97,8 +108,14 @@ class PhimoeBlock(MoEBlockBase):
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, config["intermediate_size"])
 
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparsemixer_top2(logits, self.jitter_eps)
+
+    def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return sparsemixer_weights(logits, ids, self.jitter_eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = sparsemixer_top2(F.linear(x, self.gate), self.jitter_eps)
+        weights, ids = self.route(F.linear(x, self.gate))
         self.record(ids, weights)
         return self.experts(x, weights, ids)
 

@@ -90,6 +90,8 @@ class FinishedRequest:
     stop_reason: int | str | None = None  # vLLM's: the stop token id (not EOS) or stop string
     output_text: str | None = None  # detokenized output cut at a stop string (with stop strings)
     logprobs: OutputLogprobs | None = None  # with SamplingParams.logprobs
+    # Teacher-forced (scoring) requests: each prompt token's log-probability, NaN where none.
+    prompt_logprobs: np.ndarray | None = None  # float32 (prompt_len,)
 
     @property
     def prompt_len(self) -> int:

@@ -1,0 +1,174 @@
+"""``moetrace replay``: a trace's sequences teacher-forced through a model, compared (R3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moetrace.cli import engine_options as opts
+from moetrace.cli.diff_cmd import render_diff
+from moetrace.cli.pipes import StdoutConsole
+from moetrace.errors import MoetraceError
+
+if TYPE_CHECKING:  # the engine (and torch) load only when a replay runs
+    from moetrace.replay import Replay, ReplayResult
+    from moetrace.signals import GracefulStop
+
+
+def replay_command(
+    trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace to replay."),
+    model: str = opts.MODEL,
+    output: Path = typer.Option(..., "-o", "--output", help="Trace file to write (HDF5)."),
+    force_routing: bool = typer.Option(
+        False,
+        "--force-routing",
+        help="Route every MoE layer through the recorded experts (weights from MODEL's own "
+        "router scores over them), as routing replay does in training.",
+    ),
+    record_weights: bool = opts.RECORD_WEIGHTS,
+    weights_dtype: opts.WeightsDtype = opts.WEIGHTS_DTYPE,
+    seed: int = opts.SEED,
+    dtype: str = opts.DTYPE,
+    device: str = opts.DEVICE,
+    load_format: str = opts.LOAD_FORMAT,
+    block_size: int = opts.BLOCK_SIZE,
+    num_kv_blocks: int | None = opts.NUM_KV_BLOCKS,
+    max_num_seqs: int = opts.MAX_NUM_SEQS,
+    max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
+    max_model_len: int | None = opts.MAX_MODEL_LEN,
+    enable_prefix_caching: bool = opts.ENABLE_PREFIX_CACHING,
+    gpu_memory_utilization: float = opts.GPU_MEMORY_UTILIZATION,
+    enforce_eager: bool = opts.ENFORCE_EAGER,
+    max_cudagraph_capture_size: int = opts.MAX_CUDAGRAPH_CAPTURE_SIZE,
+    tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
+    enable_expert_parallel: bool = opts.ENABLE_EXPERT_PARALLEL,
+    sequence_parallel_moe: bool = opts.SEQUENCE_PARALLEL_MOE,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+    report: Path | None = typer.Option(None, "--report", help="Also write the report as JSON."),
+    limit: int = typer.Option(10, "--limit", help="Requests listed in detail (0: all)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Teacher-force every sequence of TRACE through MODEL into OUTPUT, and compare.
+
+    Each recorded prompt + output runs as one prefill (batched, prefix-cache
+    aware, nothing sampled) under the settings given: another --dtype,
+    --device, --tensor-parallel-size or checkpoint, or the same.  OUTPUT holds
+    the same requests with MODEL's routing and the log-probability of every
+    recorded output token.  The report gives R3's figures against TRACE:
+    token and router mismatch, per layer, Jaccard, and (when TRACE has
+    log-probabilities, record --logprobs) mean |delta log-prob|, a KL
+    estimate and the share of tokens whose probability ratio exceeds 2.
+
+    Example: moetrace replay bf16.h5 ~/models/Qwen3-30B-A3B --dtype float32 -o fp32.h5
+    """
+    from moetrace.engine.launch import (
+        TensorParallelDriver,
+        is_torchrun_worker,
+        parallel_settings,
+        prepare_parallel,
+        run_torchrun_worker,
+        worker_spec,
+    )
+    from moetrace.replay import Replay
+    from moetrace.signals import GracefulStop, Interrupted
+    from moetrace.trace.writer import unclosed_traces
+
+    parallel = prepare_parallel(
+        model,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
+        sequence_parallel_moe=sequence_parallel_moe,
+        device=device,
+        dtype=dtype,
+    )
+    if is_torchrun_worker(parallel):  # torchrun rank > 0: serve rank 0, write and print nothing
+        run_torchrun_worker(parallel, device)
+        return
+    engine = opts.engine_config(
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=seed,
+        enforce_eager=enforce_eager or parallel.enabled,
+        max_cudagraph_capture_size=max_cudagraph_capture_size,
+        capture_weights=weights_dtype.value if record_weights else None,
+    )
+    engine = dataclasses.replace(engine, force_routing=force_routing)
+    console = Console(stderr=True)
+    with GracefulStop() as stop, TensorParallelDriver(parallel, device) as driver:
+        try:
+            replay = Replay(
+                trace_path,
+                model,
+                output,
+                engine=engine,
+                device=device,
+                dtype=dtype,
+                load_format=load_format,
+                overwrite=overwrite,
+                force_routing=force_routing,
+                extra_settings=parallel_settings(parallel),
+            )
+            driver.start(worker_spec(replay))
+            result = replay.run(stop=stop) if quiet else _run_with_progress(replay, console, stop)
+        except Interrupted as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise typer.Exit(exc.exit_code) from None
+        except MoetraceError as exc:
+            if unclosed_traces():  # HDF5 is wedged: a normal exit would crash inside it
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                os._exit(1)
+            raise
+    if report is not None:
+        try:
+            report.write_text(json.dumps(result.report, indent=2) + "\n")
+        except OSError as exc:
+            raise MoetraceError(f"cannot write {report}: {exc.strerror or exc}") from None
+    if as_json:
+        typer.echo(json.dumps(result.report))
+        return
+    _summarise(result, console)
+    render_diff(StdoutConsole(), result.report, limit)
+
+
+def _run_with_progress(replay: Replay, console: Console, stop: GracefulStop) -> ReplayResult:
+    columns = (
+        TextColumn("[bold]replaying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TextColumn("{task.fields[scored]:>10,} tokens scored"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("replay", total=replay.total, scored=0)
+
+        def update(result: ReplayResult, total: int) -> None:
+            bar.update(task, completed=result.requests, total=total, scored=result.scored_tokens)
+
+        return replay.run(progress=update, stop=stop)
+
+
+def _summarise(result: ReplayResult, console: Console) -> None:
+    info = result.report["replay"]
+    forced = ", routing forced" if info["force_routing"] else ""
+    console.print(
+        f"[green]wrote[/green] {result.path}: {result.requests} requests replayed through "
+        f"{info['model']} ({info['dtype']} on {info['device']}{forced}), {result.rows:,} rows, "
+        f"{result.scored_tokens:,} output tokens scored in {result.elapsed_s:.1f} s",
+        highlight=False,
+        soft_wrap=True,
+    )
