@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetrace.cli import engine_options as opts
+from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
@@ -107,14 +107,7 @@ def record_command(
 
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
-    from moetrace.engine.launch import (
-        TensorParallelDriver,
-        is_torchrun_worker,
-        parallel_settings,
-        prepare_parallel,
-        run_torchrun_worker,
-        worker_spec,
-    )
+    from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
     from moetrace.prompt_shards import check_shard_args
     from moetrace.recording import Recording, SamplingDefaults
     from moetrace.run_setup import (
@@ -123,14 +116,13 @@ def record_command(
         model_with_revision,
         refuse_remote_code,
     )
-    from moetrace.signals import GracefulStop, Interrupted, set_exit_context, signal_name
-    from moetrace.trace.writer import unclosed_traces
+    from moetrace.signals import GracefulStop, set_exit_context, signal_name
 
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
     refuse_remote_code(trust_remote_code)
     model = model_with_revision(model, revision)
     check_shard_args(num_shards, shard_index)
-    parallel = prepare_parallel(
+    parallel = parallel_or_worker(
         model,
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
@@ -138,8 +130,7 @@ def record_command(
         device=device,
         dtype=dtype,
     )
-    if is_torchrun_worker(parallel):  # torchrun rank > 0: serve rank 0, write and print nothing
-        run_torchrun_worker(parallel, device)
+    if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
     engine = opts.engine_config(
         block_size=block_size,
@@ -162,41 +153,36 @@ def record_command(
         given, defaults, source, ignore_eos=ignore_eos, logprobs=logprobs
     )
     console = Console(stderr=True)
-    with GracefulStop() as stop, TensorParallelDriver(parallel, device) as driver:
-        try:
-            recording = Recording(
-                model,
-                prompts,
-                output,
-                engine=engine,
-                sampling=sampling,
-                device=device,
-                dtype=dtype,
-                load_format=load_format,
-                overwrite=overwrite,
-                skip_invalid=skip_invalid,
-                resume=resume,
-                flush_interval_s=flush_interval,
-                flush_every_requests=flush_every,
-                num_shards=num_shards,
-                shard_index=shard_index,
-                extra_settings=parallel_settings(parallel),
-                tokenizer=tokenizer,
-                ignore_unknown_fields=ignore_unknown_fields,
-            )
-            driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0
-            if quiet:
-                result = recording.run(stop=stop)
-            else:
-                result = _run_with_progress(recording, console, stop)
-        except Interrupted as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise typer.Exit(exc.exit_code) from None
-        except MoetraceError as exc:
-            if unclosed_traces():  # HDF5 is wedged: a normal exit would crash inside it
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-                os._exit(1)
-            raise
+    with (
+        GracefulStop() as stop,
+        TensorParallelDriver(parallel, device) as driver,
+        trace_run_errors(),
+    ):
+        recording = Recording(
+            model,
+            prompts,
+            output,
+            engine=engine,
+            sampling=sampling,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            overwrite=overwrite,
+            skip_invalid=skip_invalid,
+            resume=resume,
+            flush_interval_s=flush_interval,
+            flush_every_requests=flush_every,
+            num_shards=num_shards,
+            shard_index=shard_index,
+            extra_settings=parallel_settings(parallel),
+            tokenizer=tokenizer,
+            ignore_unknown_fields=ignore_unknown_fields,
+        )
+        driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0
+        if quiet:
+            result = recording.run(stop=stop)
+        else:
+            result = _run_with_progress(recording, console, stop)
         set_exit_context(f"after {output} was written and closed (it is complete)")
     _summarise(result, console, startup=not quiet)
     if not quiet:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetrace.cli import engine_options as opts
 from moetrace.cli.diff_cmd import render_diff
+from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
 from moetrace.cli.pipes import StdoutConsole
 from moetrace.errors import MoetraceError
 
@@ -70,19 +69,11 @@ def replay_command(
 
     Example: moetrace replay bf16.h5 ~/models/Qwen3-30B-A3B --dtype float32 -o fp32.h5
     """
-    from moetrace.engine.launch import (
-        TensorParallelDriver,
-        is_torchrun_worker,
-        parallel_settings,
-        prepare_parallel,
-        run_torchrun_worker,
-        worker_spec,
-    )
+    from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
     from moetrace.replay import Replay
-    from moetrace.signals import GracefulStop, Interrupted
-    from moetrace.trace.writer import unclosed_traces
+    from moetrace.signals import GracefulStop
 
-    parallel = prepare_parallel(
+    parallel = parallel_or_worker(
         model,
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
@@ -90,8 +81,7 @@ def replay_command(
         device=device,
         dtype=dtype,
     )
-    if is_torchrun_worker(parallel):  # torchrun rank > 0: serve rank 0, write and print nothing
-        run_torchrun_worker(parallel, device)
+    if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
     engine = opts.engine_config(
         block_size=block_size,
@@ -108,30 +98,25 @@ def replay_command(
     )
     engine = dataclasses.replace(engine, force_routing=force_routing)
     console = Console(stderr=True)
-    with GracefulStop() as stop, TensorParallelDriver(parallel, device) as driver:
-        try:
-            replay = Replay(
-                trace_path,
-                model,
-                output,
-                engine=engine,
-                device=device,
-                dtype=dtype,
-                load_format=load_format,
-                overwrite=overwrite,
-                force_routing=force_routing,
-                extra_settings=parallel_settings(parallel),
-            )
-            driver.start(worker_spec(replay))
-            result = replay.run(stop=stop) if quiet else _run_with_progress(replay, console, stop)
-        except Interrupted as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise typer.Exit(exc.exit_code) from None
-        except MoetraceError as exc:
-            if unclosed_traces():  # HDF5 is wedged: a normal exit would crash inside it
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-                os._exit(1)
-            raise
+    with (
+        GracefulStop() as stop,
+        TensorParallelDriver(parallel, device) as driver,
+        trace_run_errors(),
+    ):
+        replay = Replay(
+            trace_path,
+            model,
+            output,
+            engine=engine,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            overwrite=overwrite,
+            force_routing=force_routing,
+            extra_settings=parallel_settings(parallel),
+        )
+        driver.start(worker_spec(replay))
+        result = replay.run(stop=stop) if quiet else _run_with_progress(replay, console, stop)
     if report is not None:
         try:
             report.write_text(json.dumps(result.report, indent=2) + "\n")

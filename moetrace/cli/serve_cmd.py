@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from moetrace.cli import engine_options as opts
+from moetrace.cli.engine_runs import parallel_or_worker
 from moetrace.errors import MoetraceError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -77,14 +78,7 @@ def serve_command(
 
     Example: moetrace serve demo --port 8000 --enable-return-routed-experts
     """
-    from moetrace.engine.launch import (
-        TensorParallelDriver,
-        is_torchrun_worker,
-        parallel_settings,
-        prepare_parallel,
-        run_torchrun_worker,
-        worker_spec,
-    )
+    from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
 
     try:
         import fastapi  # noqa: F401
@@ -105,7 +99,7 @@ def serve_command(
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
-    parallel = prepare_parallel(
+    parallel = parallel_or_worker(
         model,
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
@@ -113,8 +107,7 @@ def serve_command(
         device=device,
         dtype=dtype,
     )
-    if is_torchrun_worker(parallel):  # torchrun rank > 0: serve rank 0's steps
-        run_torchrun_worker(parallel, device)
+    if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
     engine = opts.engine_config(
         block_size=block_size,
