@@ -259,6 +259,7 @@ class Recording:
         prompt_reader.max_line_bytes = line_limit(self.max_model_len)
         self.resume_point: ResumePoint | None = None
         self._largest = _Largest()
+        self.logprobs_not_kept = 0  # streamed lines that asked for logprobs the trace cannot keep
         self.total: int | None = None  # requests this run will record, when known
         self.expected_requests: int | None = None  # valid requests in the input, when known
         # From here this run owns the output: a second run on it is refused (trace/lock.py).
@@ -373,6 +374,7 @@ class Recording:
         """Check every line; returns how many requests this run has to record."""
         valid = todo = 0
         seen: set[str] = set()
+        wants_logprobs = False
         for spec in self.reader:
             try:
                 ids, params = self._check_spec(spec)
@@ -384,6 +386,12 @@ class Recording:
             valid += params.n
             seen.add(spec.id)
             todo += len(self._samples_to_record(spec, ids, params.n))
+            wants_logprobs = wants_logprobs or params.logprobs is not None
+        if wants_logprobs and not self.sampling.logprobs:
+            # A line asks for log-probabilities: the trace keeps every request's (its
+            # sampled tokens'), as --logprobs would, rather than dropping the line's.
+            self.sampling.logprobs = True
+            self.sampling.sources["logprobs"] = "a prompt line's logprobs"
         if valid == 0 and self.num_shards == 1:  # a shard of a short input may hold nothing
             raise self._nothing_valid(self.reader.errors)
         point = self.resume_point
@@ -412,6 +420,8 @@ class Recording:
                 errors.append(err)
                 continue
             valid += 1
+            if params.logprobs is not None and not self.sampling.logprobs:
+                self.logprobs_not_kept += 1  # standard input: the trace was made without them
             samples = self._samples_to_record(spec, ids, params.n)
             if samples:
                 yield spec, ids, params, samples

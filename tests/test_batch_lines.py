@@ -187,3 +187,19 @@ def test_a_bad_generation_config_is_one_line(tmp_path):
         ">= 0, got -1"
     )
     assert not np.any([p.name == "t.h5" for p in tmp_path.iterdir()])
+
+
+def test_a_line_asking_for_logprobs_gets_them_in_the_trace(tmp_path):
+    lines = [{"id": "a", "prompt": "Hello", "logprobs": 2}, {"id": "b", "prompt": "World"}]
+    by_line, err = record(tmp_path, lines, "--max-tokens", "5", quiet=False)
+    assert "logprobs True (a prompt line's logprobs)" in err
+    by_flag, _ = record(tmp_path, [{k: v for k, v in x.items() if k != "logprobs"} for x in lines],
+                        "--max-tokens", "5", "--logprobs")  # fmt: skip
+    for key, req in by_flag.items():
+        np.testing.assert_array_equal(by_line[key].output_logprobs, req.output_logprobs)
+        assert np.isfinite(req.output_logprobs).all() and len(req.output_logprobs) == 5
+    prompts = write_jsonl(tmp_path / "p.jsonl", lines)
+    code, _, err = run_cli("record", "demo", "-", "-o", str(tmp_path / "s.h5"), "--max-tokens",
+                           "5", stdin=prompts.read_text())  # fmt: skip
+    assert code == 0, err
+    assert "1 line(s) of standard input asked for logprobs" in err

@@ -188,6 +188,13 @@ def record_command(
     if not quiet:
         console.print(sampling.describe(), highlight=False, soft_wrap=True)
     _ignored_fields(recording.prompt_reader.ignored_fields, recording.source, console)
+    if recording.logprobs_not_kept:
+        console.print(
+            f"[yellow]note[/yellow] {recording.logprobs_not_kept:,} line(s) of standard input "
+            "asked for logprobs; a trace made from standard input keeps them only with --logprobs",
+            highlight=False,
+            soft_wrap=True,
+        )
     if stop.signum is not None:  # arrived after the last request was written: nothing was lost
         print(
             f"error: interrupted by {signal_name(stop.signum)} after {output} was written and "
