@@ -40,6 +40,10 @@ from moetrace.trace.records import FinishedRequest
 from moetrace.trace.tokenizer_files import collect
 
 ENGINES = ("auto", "vllm", "sglang", "moetrace")
+# The layer axis of the routing an engine returns: every hidden layer with dense ones
+# zero (vLLM and SGLang), or the MoE layers only (moetrace's own export).
+LAYOUTS = ("auto", "vllm", "moe")
+_LAYOUT_WORDS = {"vllm": "every hidden layer", "moe": "MoE layers only"}
 NPY_MAGIC = b"\x93NUMPY"
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOPK_KEYS = (
@@ -277,16 +281,27 @@ def decode_routed(value, where: str) -> np.ndarray:
         raw = _b64(value, where)
         if raw.startswith(NPY_MAGIC):
             try:
-                return np.load(io.BytesIO(raw), allow_pickle=False)
+                array = np.load(io.BytesIO(raw), allow_pickle=False)
             except ValueError as exc:
                 raise MoetraceError(f"{where}: routed_experts .npy unreadable ({exc})") from None
+            return _expert_ids(array, where)
         if len(raw) % 4:
             raise MoetraceError(f"{where}: routed_experts is neither .npy nor int32 bytes")
         return np.frombuffer(raw, dtype="<i4")
     try:
-        return np.asarray(value, dtype=np.int64)
+        array = np.asarray(value)
     except (TypeError, ValueError):
         raise MoetraceError(f"{where}: routed_experts is not a list of expert ids") from None
+    return _expert_ids(array, where)
+
+
+def _expert_ids(array: np.ndarray, where: str) -> np.ndarray:
+    """Integers only: a float array (6.7) would be truncated into ids (6) without a word."""
+    if array.size and (array.dtype.kind not in "iu" or array.dtype == np.bool_):
+        raise MoetraceError(
+            f"{where}: routed_experts holds {array.dtype} values, not integer expert ids"
+        )
+    return array.astype(np.int64, copy=False) if array.size else array.reshape(array.shape)
 
 
 def _finish(value) -> str:
@@ -416,9 +431,14 @@ def _moetrace(value: dict, where: str) -> list[EngineSequence]:
 class Importer:
     """Shapes sequences to the trace: layer axis, row count, expert ids, token ids."""
 
-    def __init__(self, shape: ModelShape, *, allow_missing_tokens: bool = False) -> None:
+    def __init__(
+        self, shape: ModelShape, *, allow_missing_tokens: bool = False, layout: str = "auto"
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise MoetraceError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.shape = shape
         self.allow_missing_tokens = allow_missing_tokens
+        self.layout = layout
         self.dtype = expert_id_dtype(shape.num_experts)
         self.count = 0
         self.trimmed = 0  # requests whose one extra trailing row was dropped
@@ -482,10 +502,11 @@ class Importer:
         s = self.shape
         moe, full, k = len(s.moe_layer_indices), s.num_hidden_layers, s.top_k
         arr = seq.routed
-        if arr.ndim == 1:  # SGLang's flat int32: pick the layer count that fits the tokens
+        if arr.ndim == 1:  # SGLang's flat int32: the layer axis is not in the data
             arr = self._reshape_flat(arr, seq.where, n_tokens)
-        if arr.ndim != 3 or arr.shape[2] != k or arr.shape[1] not in (moe, full):
-            layers = f"{full}" if full == moe else f"{full} or {moe}"
+        allowed = {"vllm": (full,), "moe": (moe,)}.get(self.layout, (moe, full))
+        if arr.ndim != 3 or arr.shape[2] != k or arr.shape[1] not in allowed:
+            layers = " or ".join(str(n) for n in dict.fromkeys(allowed))
             raise MoetraceError(
                 f"{seq.where}: routed_experts has shape {list(arr.shape)}; expected "
                 f"(rows, {layers} layers, top_k {k}) for this model"
@@ -501,17 +522,35 @@ class Importer:
         return np.ascontiguousarray(arr, dtype=self.dtype)
 
     def _reshape_flat(self, flat: np.ndarray, where: str, n_tokens: int) -> np.ndarray:
+        """Rows of every hidden layer (the engines' layout) or of the MoE layers only.
+
+        Which one is given or must follow from the data alone: when both readings
+        give a row count the tokens allow (``prompt + output - 1``, or one more),
+        the input is refused rather than guessed (a DeepSeek-V2-Lite shape, 27
+        layers of which 26 route, fits both at prompt 10 + output 17).
+        """
         s = self.shape
         k = s.top_k
-        candidates = []
-        for layers in dict.fromkeys((s.num_hidden_layers, len(s.moe_layer_indices))):
-            if flat.size % (layers * k) == 0:
-                rows = flat.size // (layers * k)
-                candidates.append((rows not in (n_tokens - 1, n_tokens), layers))
-        if not candidates:
+        readings = {"vllm": s.num_hidden_layers, "moe": len(s.moe_layer_indices)}
+        if self.layout != "auto":
+            readings = {self.layout: readings[self.layout]}
+        rows = {name: flat.size / (layers * k) for name, layers in readings.items()}
+        fits = [n for n, r in rows.items() if r.is_integer() and int(r) in (n_tokens - 1, n_tokens)]
+        if len(set(readings.values())) == 1 or len(fits) == 1:
+            name = fits[0] if fits else next(iter(readings))
+            if flat.size % (readings[name] * k) == 0:
+                return flat.reshape(-1, readings[name], k)
+        described = " or ".join(
+            (f"{int(r)} rows" if r.is_integer() else "no whole number of rows")
+            + f" of {readings[n]} layers ({_LAYOUT_WORDS[n]})"
+            for n, r in rows.items()
+        )
+        if len(fits) > 1:
             raise MoetraceError(
-                f"{where}: {flat.size} expert ids do not divide into rows of "
-                f"{s.num_hidden_layers} (or {len(s.moe_layer_indices)}) layers x top_k {k}"
+                f"{where}: {flat.size} expert ids read as {described}, and both fit "
+                f"{n_tokens} tokens; pass --layout vllm or --layout moe to say which"
             )
-        layers = sorted(candidates)[0][1]
-        return flat.reshape(-1, layers, k)
+        raise MoetraceError(
+            f"{where}: {flat.size} expert ids make {described} x top_k {k}; "
+            f"{n_tokens} tokens need {n_tokens - 1} rows"
+        )

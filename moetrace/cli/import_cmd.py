@@ -33,6 +33,12 @@ def import_command(
     dtype: str = typer.Option(
         "unknown", "--dtype", help="Compute dtype the engine ran in, for the record."
     ),
+    layout: str = typer.Option(
+        "auto",
+        "--layout",
+        help="The layer axis of the routing: vllm (every hidden layer, dense ones zero: vLLM "
+        "and SGLang), moe (MoE layers only), auto (what the data allows; ambiguous is refused).",
+    ),
     allow_missing_tokens: bool = typer.Option(
         False,
         "--allow-missing-tokens",
@@ -63,7 +69,7 @@ def import_command(
         top_k=top_k,
         name=name,
     )
-    importer = Importer(shape, allow_missing_tokens=allow_missing_tokens)
+    importer = Importer(shape, allow_missing_tokens=allow_missing_tokens, layout=layout)
     settings = {"imported_from": [str(p) for p in responses], "engine": engine}
     writer = TraceWriter(output, shape.metadata(dtype, settings), overwrite=overwrite)
     writer.start()
