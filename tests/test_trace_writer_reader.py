@@ -507,6 +507,9 @@ def test_damaged_offsets_are_reported(written):
         problems = t.verify()
         assert len(problems) == 1 and problems[0].startswith("request 3 ")
         assert "offsets are not the running sums" in problems[0]
+        with pytest.raises(MoetraceError, match="request 3 .* is damaged"):
+            list(t)  # read as usual, the damaged record is refused
+    with open_trace(path, verify=False) as t:
         got = list(t)
     for i in (2, 4):
         assert_same(got[i], reqs[i])

@@ -216,20 +216,17 @@ class RowStream:
     # -- the pass --------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[RowBlock]:
-        if self.selection.positions is None:
-            carry = None
-            for start, rows in self.trace.iter_row_chunks(self.chunk_rows):
-                block, carry = self._block(start, rows, carry)
-                if block is not None:
-                    yield block
-            return
-        for lo, hi in self._ranges(self.selection.positions):
-            carry = None  # a range starts at a request's first row: no previous token
-            for start in range(lo, hi, self.chunk_rows):
-                rows = self.trace.read_rows(start, min(start + self.chunk_rows, hi))
-                block, carry = self._block(start, rows, carry)
-                if block is not None:
-                    yield block
+        positions = self.selection.positions
+        ranges = [(0, self.trace.num_rows)] if positions is None else self._ranges(positions)
+        carry, at = None, None
+        # The reader checks each request's checksum as its rows go by (open_trace verify).
+        for start, rows in self.trace.iter_row_ranges(ranges, self.chunk_rows):
+            if start != at:
+                carry = None  # a range starts at a request's first row: no previous token
+            at = start + len(rows)
+            block, carry = self._block(start, rows, carry)
+            if block is not None:
+                yield block
 
     def _ranges(self, positions: np.ndarray) -> Iterable[tuple[int, int]]:
         """Row ranges of the chosen requests, adjacent ones merged into one read."""

@@ -44,6 +44,11 @@ def export_command(
         "(vLLM's array).",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    no_verify_checksums: bool = typer.Option(
+        False,
+        "--no-verify-checksums",
+        help="Do not check each request's checksum as it is read (faster; damage goes unseen).",
+    ),
 ) -> None:
     """Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
 
@@ -74,7 +79,7 @@ def export_command(
     else:
         check_not_an_input(output, [("the trace being exported", trace_path)])
         check_new_output(output, overwrite=overwrite)
-    with open_trace(trace_path) as trace:
+    with open_trace(trace_path, verify=not no_verify_checksums) as trace:
         note_if_being_written(trace)
         rows_layout = Layout.of(trace, layout)
         positions = select_positions(trace, request, request_range)

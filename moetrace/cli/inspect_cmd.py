@@ -69,6 +69,11 @@ def inspect_command(
         help="Write a layer x expert heatmap + imbalance chart (.png .svg .pdf .html).",
     ),
     chunk_rows: int = typer.Option(16384, "--chunk-rows", help="Rows read at a time.", hidden=True),
+    no_verify_checksums: bool = typer.Option(
+        False,
+        "--no-verify-checksums",
+        help="Do not check each request's checksum as it is read (faster; damage goes unseen).",
+    ),
 ) -> None:
     """Show what TRACE holds and how it routes: load, EP balance, locality, pairs, tokens.
 
@@ -104,7 +109,7 @@ def inspect_command(
         check_plot_path(plot)
         if "load" not in (opts.views or ["load"]):
             opts.views = [*opts.views, "load"]
-    with open_trace(trace_path) as trace:
+    with open_trace(trace_path, verify=not no_verify_checksums) as trace:
         note_if_being_written(trace)
         report = inspect_report(trace, opts)
     if plot is not None:

@@ -22,14 +22,15 @@ def request_checksum(routed_experts: np.ndarray, token_ids: np.ndarray, *more: n
     first the routing rows, then the int32 tokens, then any further array the
     file holds, in the order ``trace.records.ARRAYS`` declares them.
     """
-    crc = zlib.crc32(_le(routed_experts))
+    crc = zlib.crc32(little_endian_bytes(routed_experts))
     crc = zlib.crc32(np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE), crc)
     for array in more:
-        crc = zlib.crc32(_le(array), crc)
+        crc = zlib.crc32(little_endian_bytes(array), crc)
     return crc
 
 
-def _le(array: np.ndarray) -> np.ndarray:
+def little_endian_bytes(array: np.ndarray) -> np.ndarray:
+    """The array as the checksum reads it: stored dtype, little-endian, C order."""
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
 
 

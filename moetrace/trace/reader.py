@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.trace import tokenizer_files
+from moetrace.trace.checked_rows import RowChecksums, damaged
 from moetrace.trace.integrity import expected_num_rows, plain_value, request_checksum
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
@@ -63,8 +64,11 @@ class TraceRequest(FinishedRequest):
 class Trace:
     """A trace file opened read-only; use as a context manager or call ``close()``."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
         self.path = Path(path)
+        # Check each request's checksum (and expert ids) as it is read: damaged routing
+        # raises DamagedTraceError naming the request instead of reaching a consumer.
+        self.verify_reads = verify
         if not self.path.is_file():
             raise MoetraceError(f"no such trace file: {self.path}")
         # A run writing it holds its lock (trace/lock.py): what is flushed reads, and the
@@ -235,7 +239,7 @@ class Trace:
         """Request by record number (negative counts from the end), by request id, or by
         ``(id, sample_index)`` (an id alone is its sample 0: the only one unless ``n`` > 1)."""
         pos = self._position(key)
-        return self._make(pos, self._read_slices(self._table[pos]))
+        return self._make(pos, self._read_slices(self._table[pos]), self.verify_reads)
 
     def _position(self, key: int | str | tuple[str, int]) -> int:
         if isinstance(key, (str, tuple)):
@@ -321,6 +325,9 @@ class Trace:
 
     def __iter__(self) -> Iterator[TraceRequest]:
         """All requests in record order, reading the data of many requests in one slice."""
+        return self._iter_requests(self.verify_reads)
+
+    def _iter_requests(self, check: bool) -> Iterator[TraceRequest]:
         t = self._table
         bounds = {
             ROWS: (t["row_start"], self._row_end),
@@ -346,11 +353,15 @@ class Trace:
                         slices = None
                         break
                     slices[a.name] = data[s0:s1]
-                yield self.request(p) if slices is None else self._make(p, slices)
+                if slices is None:
+                    slices = self._read_slices(t[p])
+                yield self._make(p, slices, check)
             i = j
 
-    def _make(self, pos: int, slices: dict[str, np.ndarray]) -> TraceRequest:
+    def _make(self, pos: int, slices: dict[str, np.ndarray], check: bool) -> TraceRequest:
         rec = self._table[pos]
+        if check and (problem := self._layout_problem(rec) or self._data_problem(rec, slices)):
+            raise damaged(self.path, pos, str(rec["id"]), problem)
         fields = self._decoder.fields(rec)
         for a in self._arrays:
             fields.update(a.fields(slices[a.name], int(rec["prompt_len"])))
@@ -391,12 +402,55 @@ class Trace:
         return self._routed.compression
 
     def iter_row_chunks(self, chunk_rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
-        """``(row_start, rows)`` over every request row, in slices aligned to the file's chunks."""
+        """``(row_start, rows)`` over every request row, in slices aligned to the file's chunks.
+
+        Checked as read (``verify``): a request's checksum is checked when its last
+        row has been read, before the chunk that holds it is handed out.
+        """
+        return self.iter_row_ranges([(0, self.num_rows)], chunk_rows)
+
+    def iter_row_ranges(
+        self, ranges: Iterable[tuple[int, int]], chunk_rows: int | None = None
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """``(row_start, rows)`` over row ranges that each start and end at request bounds."""
         if chunk_rows is None:
             chunk_rows = max(1, ITER_ROWS // self.chunk_rows) * self.chunk_rows
-        total = self.num_rows
-        for start in range(0, total, chunk_rows):
-            yield start, self._routed[start : min(start + chunk_rows, total)]
+        checks = self._row_checksums() if self.verify_reads else None
+        for lo, hi in ranges:
+            for start in range(lo, hi, chunk_rows):
+                rows = self._routed[start : min(start + chunk_rows, hi)]
+                if checks is not None:
+                    checks.feed(start, rows)
+                yield start, rows
+
+    def _row_checksums(self) -> RowChecksums:
+        layout = self.layout_problems()
+        bad = next((i for i, problem in enumerate(layout) if problem), None)
+        if bad is not None:
+            raise damaged(self.path, bad, str(self._table["id"][bad]), layout[bad])
+        return RowChecksums(
+            self._table,
+            self.num_experts,
+            self._other_slices,
+            lambda i, problem: damaged(self.path, i, str(self._table["id"][i]), problem),
+        )
+
+    def _other_slices(self, first: int, last: int) -> list[list[np.ndarray]]:
+        """Per request ``first..last``: its slices of every array but the rows, in checksum
+        order, each array read in one slice for them all."""
+        t = self._table
+        bounds = {
+            ROWS: (t["row_start"], self._row_end),
+            TOKENS: (t["token_start"], self._token_end),
+        }
+        per_request: list[list[np.ndarray]] = [[] for _ in range(first, last + 1)]
+        for a in self._arrays[1:]:
+            starts, ends = bounds[a.along]
+            lo, hi = int(starts[first]), int(ends[last])
+            data = self._data[a.name][lo:hi]
+            for k, i in enumerate(range(first, last + 1)):
+                per_request[k].append(data[int(starts[i]) - lo : int(ends[i]) - lo])
+        return per_request
 
     # -- integrity -----------------------------------------------------------
 
@@ -420,7 +474,7 @@ class Trace:
         layout = self.layout_problems()
         found: dict[int, str] = {}
         try:
-            for req in self:  # batched reads: one slice per many requests
+            for req in self._iter_requests(check=False):  # batched: one slice per many requests
                 i = req.position
                 data = {a.name: a.values(req) for a in self._arrays}
                 problem = layout[i] or self._data_problem(t[i], data)
@@ -512,6 +566,11 @@ def _readable_prefix(table: h5py.Dataset) -> np.ndarray:
     return table[:lo]
 
 
-def open_trace(path: str | os.PathLike) -> Trace:
-    """Open a trace read-only; ``MoetraceError`` if it is missing, foreign or too new."""
-    return Trace(path)
+def open_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
+    """Open a trace read-only; ``MoetraceError`` if it is missing, foreign or too new.
+
+    With ``verify`` (the default) every request is checked against its checksum
+    as it is read, and a damaged one raises ``DamagedTraceError`` naming it;
+    ``verify=False`` reads faster and hands on whatever the file holds.
+    """
+    return Trace(path, verify=verify)

@@ -1,0 +1,103 @@
+"""Reads that cannot be wrong: damaged routing is refused as it is read, naming the request.
+
+After one byte of ``routed_experts`` changed, ``export``, ``inspect`` and
+``open_trace(...).request()`` all succeeded; only ``verify`` noticed.  Each
+case damages a real recorded trace and checks every way of reading it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from reliability_helpers import assert_one_line_error, reference_run, run_cli
+
+from moetrace import open_trace
+from moetrace.trace.checked_rows import DamagedTraceError
+from moetrace.trace.integrity import request_checksum
+from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
+
+VICTIM = 5  # the record damaged in each case
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return reference_run(tmp_path_factory.mktemp("reads"), 12, seed=2, max_tokens=5)[2]
+
+
+def _copy(pristine: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "t.h5"
+    shutil.copy(pristine, path)
+    return path
+
+
+def _flip_a_stored_byte(path: Path, dataset: str, row: int) -> None:
+    """One byte changed on disk, under HDF5: the chunk's bytes, not a write through h5py."""
+    with h5py.File(path, "r") as f:
+        ds = f[dataset]
+        per = ds.chunks[0]
+        info = ds.id.get_chunk_info_by_coord((row // per * per,) + (0,) * (ds.ndim - 1))
+        itemsize = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+        offset = info.byte_offset + (row % per) * itemsize
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _victim(path: Path) -> tuple[str, int, int]:
+    with open_trace(path, verify=False) as t:
+        rec = t.requests[VICTIM]
+        return str(rec["id"]), int(rec["row_start"]), int(rec["token_start"])
+
+
+@pytest.mark.parametrize("dataset", [ROUTED_EXPERTS, TOKEN_IDS])
+def test_one_changed_byte_is_refused_by_every_reader(tmp_path, pristine, dataset):
+    path = _copy(pristine, tmp_path)
+    rid, row, token = _victim(path)
+    _flip_a_stored_byte(path, dataset, row + 1 if dataset == ROUTED_EXPERTS else token + 1)
+    needle = f"request {VICTIM} ({rid!r}) is damaged: checksum mismatch"
+    with open_trace(path) as t:
+        with pytest.raises(DamagedTraceError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            t.request(VICTIM)
+        t.request(VICTIM - 1)  # the others read as before
+        with pytest.raises(DamagedTraceError):
+            list(t)
+        with pytest.raises(DamagedTraceError):
+            list(t.iter_row_chunks())
+    with open_trace(path, verify=False) as t:  # the explicit opt-out hands it on
+        t.request(VICTIM)
+    for command in (["export", str(path)], ["inspect", str(path)]):
+        code, _, err = run_cli(*command)
+        assert_one_line_error(code, err, needle)
+        code, _, err = run_cli(*command, "--no-verify-checksums")
+        assert code == 0, err
+    code, out, err = run_cli("inspect", str(path), "--request", rid, "--json")
+    assert_one_line_error(code, err, needle)
+    code, out, err = run_cli("inspect", str(path), "--range", f"0:{VICTIM}", "--json")
+    assert code == 0, err  # only the chosen requests are read, and they are intact
+
+
+def test_an_expert_id_past_the_experts_is_refused_even_with_a_matching_checksum(tmp_path, pristine):
+    """export wrote expert id 31 of 16 experts without a word."""
+    path = _copy(pristine, tmp_path)
+    with h5py.File(path, "r+") as f:
+        table = f[REQUESTS]
+        rec = table[VICTIM]
+        r0, n = int(rec["row_start"]), int(rec["num_rows"])
+        t0, m = int(rec["token_start"]), int(rec["prompt_len"] + rec["output_len"])
+        rows = f[ROUTED_EXPERTS][r0 : r0 + n]
+        rows[0, 0, 0] = int(f.attrs["num_experts"]) + 23
+        f[ROUTED_EXPERTS][r0 : r0 + n] = rows
+        rec["checksum"] = request_checksum(rows, f[TOKEN_IDS][t0 : t0 + m])
+        table[VICTIM] = rec
+    experts = None
+    with open_trace(path, verify=False) as t:
+        experts = t.num_experts
+    for command in (["export", str(path)], ["inspect", str(path)]):
+        code, _, err = run_cli(*command)
+        assert_one_line_error(code, err, f"expert id {experts + 23} >= num_experts {experts}")
