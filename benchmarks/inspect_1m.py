@@ -139,6 +139,17 @@ def measure(args: list[str]) -> tuple[float, float, float, str]:
     return seconds, cpu, rss_kb / 1024, proc.stdout
 
 
+def read_all_rows(trace: Path, verify: bool) -> float:
+    """CPU seconds to stream every row of the trace, each request's checksum checked or not."""
+    from moetrace import open_trace
+
+    start = time.process_time()
+    with open_trace(trace, verify=verify) as t:
+        for _ in t.iter_row_chunks():
+            pass
+    return time.process_time() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/moetrace-bench"))
@@ -166,6 +177,9 @@ def main() -> None:
     commands = {
         "moetrace --version (imports only)": [*exe, "--version"],
         "moetrace inspect trace.h5 --json": [*exe, "inspect", str(trace), "--json"],
+        "moetrace inspect trace.h5 --json --no-verify-checksums": [
+            *exe, "inspect", str(trace), "--json", "--no-verify-checksums",
+        ],
         "moetrace inspect trace.h5 --all --ep-size 8 --json": [
             *exe, "inspect", str(trace), "--all", "--ep-size", "8", "--json",
         ],
@@ -180,6 +194,12 @@ def main() -> None:
             got = json.loads(out)["expert_counts"]
             assert got == counts.tolist(), "inspect counts differ from the generated ones"
         print(f"| `{name}` | {seconds:.1f} s | {cpu:.1f} s | {rss:,.0f} MiB |")
+    print("\nReading every row in this process (Trace.iter_row_chunks), CPU seconds, best of 3:\n")
+    print("| checksums | CPU time | rows/s |\n|---|---:|---:|")
+    for verify in (True, False):
+        best = min(read_all_rows(trace, verify) for _ in range(3))
+        label = "checked as read (default)" if verify else "not checked (verify=False)"
+        print(f"| {label} | {best:.2f} s | {args.rows / best:,.0f} |")
     load = subprocess.run(["cat", "/proc/loadavg"], capture_output=True, text=True).stdout
     print(f"\nload average during the run: {load.split()[0]} (1 min)")
 

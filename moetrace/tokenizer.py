@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -69,9 +71,57 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# What one rendering may cost.  A real chat template renders in well under a millisecond;
+# a template is foreign code, and two nested range(100000) loops ran for hours.
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 16 << 20  # 64 bytes a token of a 256k context
+
+
+class _TooCostly(Exception):
+    pass
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``*`` and ``**`` refused past a size (``"x" * 10**10`` is one step)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        big_int = isinstance(left, int) and left not in (-1, 0, 1)
+        if operator == "**" and big_int and isinstance(right, int) and abs(right) > 64:
+            raise _TooCostly(f"{left} ** {right} is too large")
+        for seq, times in ((left, right), (right, left)):
+            repeats = operator == "*" and isinstance(seq, (str, list, tuple))
+            if repeats and isinstance(times, int) and len(seq) * times > RENDER_CHARS:
+                raise _TooCostly(f"a repetition of {len(seq) * times:,} items")
+        return super().call_binop(context, operator, left, right)
+
+
+class _Budget:
+    """Ends a rendering that runs past ``RENDER_SECONDS``, checked on the template's own lines.
+
+    Only the template's frames are line-traced (its code is compiled from
+    ``<template>``), so a loop that makes no call (``{% for b in s %}{% endfor %}``
+    over a long string) is caught too, at a small cost to a normal rendering.
+    """
+
+    def __init__(self) -> None:
+        self.deadline = time.monotonic() + RENDER_SECONDS
+        self.lines = 0
+
+    def on_call(self, frame, event: str, arg):
+        return self.on_line if frame.f_code.co_filename == "<template>" else None
+
+    def on_line(self, frame, event: str, arg):
+        self.lines += 1
+        if not self.lines & 1023 and time.monotonic() > self.deadline:
+            raise _TooCostly(f"it ran for more than {RENDER_SECONDS:g} s")
+        return self.on_line
+
+
 def compile_chat_template(source: str, origin: str) -> jinja2.Template:
     """Compile a checkpoint's chat template in a sandbox (templates come with downloads)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -83,6 +133,25 @@ def compile_chat_template(source: str, origin: str) -> jinja2.Template:
         raise ModelError(
             f"{origin}: chat template is not valid Jinja ({e.message}, template line {e.lineno})"
         ) from None
+    except RecursionError:  # 5,000 nested parentheses printed a 3,000-line traceback
+        raise ModelError(f"{origin}: chat template is nested too deeply to compile") from None
+
+
+def _bounded_render(template: jinja2.Template, context: dict) -> str:
+    """Render within ``RENDER_SECONDS`` and ``RENDER_CHARS``, or raise ``_TooCostly``."""
+    budget = _Budget()
+    previous = sys.gettrace()
+    sys.settrace(budget.on_call)
+    try:
+        parts, size = [], 0
+        for part in template.generate(context):
+            size += len(part)
+            if size > RENDER_CHARS:
+                raise _TooCostly(f"its output passed {RENDER_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
+    finally:
+        sys.settrace(previous)
 
 
 def render_chat_template(
@@ -104,9 +173,13 @@ def render_chat_template(
         **variables,
     }
     try:
-        return template.render(context)
+        return _bounded_render(template, context)
     except _TemplateRaised as e:
         raise ChatTemplateError(str(e)) from None
+    except _TooCostly as e:
+        raise ModelError(f"{origin}: chat template stopped: {e}") from None
+    except RecursionError:
+        raise ModelError(f"{origin}: chat template failed: it recursed too deeply") from None
     except Exception as e:  # the template is foreign code; any failure is the checkpoint's
         raise ModelError(
             f"{origin}: chat template failed: {type(e).__name__}: {e}".splitlines()[0]
