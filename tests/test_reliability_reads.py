@@ -17,7 +17,7 @@ from reliability_helpers import assert_one_line_error, reference_run, run_cli
 
 from moetrace import open_trace
 from moetrace.trace.checked_rows import DamagedTraceError
-from moetrace.trace.integrity import request_checksum
+from moetrace.trace.integrity import record_crc, request_checksum
 from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
 
 VICTIM = 5  # the record damaged in each case
@@ -95,9 +95,36 @@ def test_an_expert_id_past_the_experts_is_refused_even_with_a_matching_checksum(
         f[ROUTED_EXPERTS][r0 : r0 + n] = rows
         rec["checksum"] = request_checksum(rows, f[TOKEN_IDS][t0 : t0 + m])
         table[VICTIM] = rec
+        f.attrs["requests_crc32"] = record_crc(table[:])  # every checksum agrees
     experts = None
     with open_trace(path, verify=False) as t:
         experts = t.num_experts
     for command in (["export", str(path)], ["inspect", str(path)]):
         code, _, err = run_cli(*command)
         assert_one_line_error(code, err, f"expert id {experts + 23} >= num_experts {experts}")
+
+
+def test_an_altered_request_record_is_refused_on_open(tmp_path, pristine):
+    """A record's id is outside its data checksum; the table's own checksum covers it."""
+    path = _copy(pristine, tmp_path)
+    with h5py.File(path, "r+") as f:
+        rec = f[REQUESTS][VICTIM]
+        rec["id"] = b"someone-else"
+        f[REQUESTS][VICTIM] = rec
+    for command in (["export", str(path)], ["inspect", str(path)]):
+        code, _, err = run_cli(*command)
+        assert_one_line_error(code, err, "is damaged: request table checksum mismatch")
+        assert run_cli(*command, "--no-verify-checksums")[0] == 0
+
+
+def test_a_flipped_bit_in_a_json_attribute_is_one_line(tmp_path, pristine):
+    """It ended in a JSONDecodeError traceback in inspect and export."""
+    path = _copy(pristine, tmp_path)
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b'"block_size": ') + len(b'"block_size"')  # in engine_settings' text
+    raw[at] ^= 0x01  # ":" becomes ";": no longer JSON
+    path.write_bytes(bytes(raw))
+    for command in (["export", str(path)], ["inspect", str(path)]):
+        for extra in ((), ("--no-verify-checksums",)):
+            code, _, err = run_cli(*command, *extra)
+            assert_one_line_error(code, err, "t.h5", "damaged")

@@ -27,12 +27,30 @@ from moetrace.trace.integrity import little_endian_bytes
 class DamagedTraceError(MoetraceError):
     """A request read from a trace is not what was written: refused, naming it."""
 
+    def __init__(self, message: str, problem: str = "") -> None:
+        super().__init__(message)
+        self.problem = problem or message  # what is wrong, without the advice around it
+
+
+class UnreadableDataError(DamagedTraceError, OSError):
+    """HDF5 could not read a slice (a damaged chunk); an OSError for callers that go on."""
+
+
+_UNCHECKED = (
+    "'moetrace verify' lists every problem; "
+    "--no-verify-checksums or open_trace(..., verify=False) reads it unchecked"
+)
+
+
+def damaged_file(path, problem: str) -> DamagedTraceError:
+    return DamagedTraceError(f"{path} is damaged: {problem} ({_UNCHECKED})", problem)
+
 
 def damaged(path, position: int, request_id: str, problem: str) -> DamagedTraceError:
     return DamagedTraceError(
         f"{path}: request {position} ({request_id!r}) is damaged: {problem}; "
-        "nothing after it is handed on ('moetrace verify' lists every problem; "
-        "--no-verify-checksums or open_trace(..., verify=False) reads it unchecked)"
+        f"nothing after it is handed on ({_UNCHECKED})",
+        f"request {position} ({request_id!r}) is damaged: {problem}",
     )
 
 

@@ -95,3 +95,56 @@ def plain_value(value):
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def table_crc_problem(records, stated: int, crc: int, complete: bool) -> str:
+    """The table checksum must cover the stated records exactly in a complete file.
+
+    A run killed during a flush can leave the root attributes one flush behind
+    or ahead of the table, so in an incomplete file the checksum only has to
+    match some prefix of the records backed by data; records after it are
+    vouched for by their own data checksums, as after any kill.
+    """
+    running, matched = 0, crc == 0
+    for i, record in enumerate(records, 1):
+        running = record_crc([record], running)
+        if complete and i == stated:
+            matched = running == crc
+            break
+        matched = matched or running == crc
+    if matched:
+        return ""
+    where = f"its first {stated} records" if complete else "any prefix of its records"
+    return (
+        f"request table checksum mismatch over {where} "
+        "(a record's id, lengths, offsets or reason was altered)"
+    )
+
+
+def metadata_problem(attrs) -> str:
+    """What is wrong with the fixed root attributes ("" if nothing or no checksum)."""
+    if "metadata_crc32" not in attrs:
+        return ""
+    try:
+        same = metadata_crc(attrs) == int(attrs["metadata_crc32"])
+    except (UnicodeError, ValueError, TypeError):
+        same = False  # an attribute no longer text, or not a number
+    if same:
+        return ""
+    return (
+        "root attributes altered: the metadata checksum does not match "
+        f"({', '.join(FIXED_ATTRS[:4])}, ... {FIXED_ATTRS[-1]})"
+    )
+
+
+def file_problem(attrs, records, complete: bool) -> str:
+    """The checks a reader makes on open: root attributes, then the request table's CRC."""
+    problem = metadata_problem(attrs)
+    if problem or "requests_crc32" not in attrs:
+        return problem
+    stated = int(attrs.get("num_requests", -1))
+    if complete and stated != len(records):
+        return f"root attribute num_requests is {stated}, the request table holds {len(records)}"
+    if not complete and stated > len(records):
+        return ""  # the last flush did not finish: its records were left out, as after a kill
+    return table_crc_problem(records, stated, int(attrs["requests_crc32"]), complete)

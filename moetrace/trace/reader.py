@@ -18,8 +18,13 @@ import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.trace import tokenizer_files
-from moetrace.trace.checked_rows import RowChecksums, damaged
-from moetrace.trace.integrity import expected_num_rows, plain_value, request_checksum
+from moetrace.trace.checked_rows import (
+    RowChecksums,
+    UnreadableDataError,
+    damaged,
+    damaged_file,
+)
+from moetrace.trace.integrity import expected_num_rows, file_problem, plain_value, request_checksum
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
 from moetrace.trace.records import (
@@ -95,6 +100,12 @@ class Trace:
             raise MoetraceError(f"cannot open trace file {self.path}: {exc}") from None
         try:
             self._load()
+        except (OSError, RuntimeError, KeyError, ValueError, UnicodeError, TypeError) as exc:
+            self._file.close()  # HDF5 or a JSON attribute gave way: a damaged file
+            raise MoetraceError(
+                f"cannot read {self.path}: it is damaged ({_one_line(exc)}); "
+                "'moetrace verify' says more"
+            ) from None
         except BaseException:
             self._file.close()
             raise
@@ -148,6 +159,10 @@ class Trace:
             self.num_dropped += len(records) - good
             records = records[:good]
         self._table = records
+        if self.verify_reads:
+            problem = file_problem(f.attrs, records, self.complete)
+            if problem:
+                raise damaged_file(self.path, problem)
         self._row_end = records["row_start"] + records["num_rows"]
         self._token_end = records["token_start"] + records["prompt_len"] + records["output_len"]
         self._positions: dict[str, int] | None = None
@@ -321,7 +336,7 @@ class Trace:
             ROWS: (r0, r0 + int(rec["num_rows"])),
             TOKENS: (t0, t0 + int(rec["prompt_len"]) + int(rec["output_len"])),
         }
-        return {a.name: self._data[a.name][slice(*extents[a.along])] for a in self._arrays}
+        return {a.name: self._read(a.name, *extents[a.along]) for a in self._arrays}
 
     def __iter__(self) -> Iterator[TraceRequest]:
         """All requests in record order, reading the data of many requests in one slice."""
@@ -342,7 +357,7 @@ class Trace:
             for a in self._arrays:
                 starts, ends = bounds[a.along]
                 lo = int(starts[i])
-                windows[a.name] = (lo, self._data[a.name][lo : max(lo, int(ends[j - 1]))])
+                windows[a.name] = (lo, self._read(a.name, lo, max(lo, int(ends[j - 1]))))
             for p in range(i, j):
                 slices: dict[str, np.ndarray] | None = {}
                 for a in self._arrays:
@@ -357,6 +372,16 @@ class Trace:
                     slices = self._read_slices(t[p])
                 yield self._make(p, slices, check)
             i = j
+
+    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """``name[start:stop]``; what HDF5 cannot read (a damaged chunk) is one line."""
+        try:
+            return self._data[name][start:stop]
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise UnreadableDataError(
+                f"{self.path}: {name}[{start}:{stop}] cannot be read, the file is damaged "
+                f"({_one_line(exc)}); 'moetrace verify' names the requests hit"
+            ) from None
 
     def _make(self, pos: int, slices: dict[str, np.ndarray], check: bool) -> TraceRequest:
         rec = self._table[pos]
@@ -377,7 +402,7 @@ class Trace:
             while j < len(t) and ends[j] - starts[i] <= ITER_TOKENS:
                 j += 1
             t0 = int(starts[i])
-            tokens = self._tokens[t0 : max(t0, int(ends[j - 1]))]
+            tokens = self._read(TOKEN_IDS, t0, max(t0, int(ends[j - 1])))
             for p in range(i, j):
                 s0 = int(starts[p]) - t0
                 yield t["id"][p], tokens[s0 : s0 + int(t["prompt_len"][p])]
@@ -385,11 +410,11 @@ class Trace:
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of the flat ``routed_experts`` array (numbered as ``row_start``)."""
-        return self._routed[start:stop]
+        return self._read(ROUTED_EXPERTS, start, stop)
 
     def read_tokens(self, start: int, stop: int) -> np.ndarray:
         """Entries ``start:stop`` of the flat ``token_ids`` array (numbered as ``token_start``)."""
-        return self._tokens[start:stop]
+        return self._read(TOKEN_IDS, start, stop)
 
     @property
     def chunk_rows(self) -> int:
@@ -418,7 +443,7 @@ class Trace:
         checks = self._row_checksums() if self.verify_reads else None
         for lo, hi in ranges:
             for start in range(lo, hi, chunk_rows):
-                rows = self._routed[start : min(start + chunk_rows, hi)]
+                rows = self._read(ROUTED_EXPERTS, start, min(start + chunk_rows, hi))
                 if checks is not None:
                     checks.feed(start, rows)
                 yield start, rows
@@ -447,7 +472,7 @@ class Trace:
         for a in self._arrays[1:]:
             starts, ends = bounds[a.along]
             lo, hi = int(starts[first]), int(ends[last])
-            data = self._data[a.name][lo:hi]
+            data = self._read(a.name, lo, hi)
             for k, i in enumerate(range(first, last + 1)):
                 per_request[k].append(data[int(starts[i]) - lo : int(ends[i]) - lo])
         return per_request
@@ -574,3 +599,8 @@ def open_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
     ``verify=False`` reads faster and hands on whatever the file holds.
     """
     return Trace(path, verify=verify)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from moetrace.errors import MoetraceError
+from moetrace.trace.checked_rows import DamagedTraceError
 from moetrace.trace.reader import Trace
 
 # Setting -> how the user names it; the sampling defaults are compared one by one.
@@ -138,7 +139,13 @@ def check_settings(path: Path, stored: dict, wanted: dict) -> None:
 def open_resume_point(path: str | os.PathLike, wanted: dict) -> ResumePoint:
     """Check that ``path`` may be continued with settings ``wanted``; read what it holds."""
     path = Path(path)
-    with Trace(path) as trace:
+    try:
+        trace = Trace(path)
+    except DamagedTraceError as exc:  # appending would bury the damage in a "complete" file
+        raise MoetraceError(
+            f"cannot resume {path}: it is damaged ({exc.problem}); run 'moetrace verify {path}'"
+        ) from None
+    with trace:
         md = trace.metadata
         stored = result_settings(
             str(md.get("config_digest", "")),

@@ -31,7 +31,7 @@ from pathlib import Path
 import h5py
 
 from moetrace.errors import MoetraceError
-from moetrace.trace.integrity import FIXED_ATTRS, metadata_crc, record_crc
+from moetrace.trace.integrity import metadata_problem, table_crc_problem
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.reader import Trace
@@ -137,7 +137,7 @@ def _verify(path: Path, progress: Callable[[], None] | None) -> VerifyReport:
         raise MoetraceError(f"not an HDF5 file: {path}")
     report = VerifyReport(path)
     try:
-        trace = Trace(path)
+        trace = Trace(path, verify=False)  # it looks at everything itself, and lists it all
     except MoetraceError as exc:
         if "not a moetrace trace" in str(exc) or "newer than" in str(exc):
             raise
@@ -191,11 +191,9 @@ def _file_checks(report: VerifyReport, f: h5py.File, trace: Trace) -> None:
     """Root counts and the table CRC, against the raw table (dropped records included)."""
     attrs = f.attrs
     table = f[REQUESTS]
-    if "metadata_crc32" in attrs and metadata_crc(attrs) != int(attrs["metadata_crc32"]):
-        report.problems.append(
-            "root attributes altered: the metadata checksum does not match "
-            f"({', '.join(FIXED_ATTRS[:4])}, ... {FIXED_ATTRS[-1]})"
-        )
+    problem = metadata_problem(attrs)
+    if problem:
+        report.problems.append(problem)
     report.problems += _layout_attr_problems(attrs, f[ROUTED_EXPERTS])
     stated = int(attrs.get("num_requests", -1))
     if stated > table.shape[0]:
@@ -221,7 +219,7 @@ def _file_checks(report: VerifyReport, f: h5py.File, trace: Trace) -> None:
         problem = ""
         if trace.complete or stated <= trace.num_requests:
             crc = int(attrs["requests_crc32"])
-            problem = _table_crc_problem(records, stated, crc, trace.complete)
+            problem = table_crc_problem(records, stated, crc, trace.complete)
         else:  # the stated records are not all backed by data: the flush was cut short
             report.notes.append("the last flush did not finish (its records are left out)")
         if problem:
@@ -232,30 +230,6 @@ def _file_checks(report: VerifyReport, f: h5py.File, trace: Trace) -> None:
     orphans = trace.num_stored_rows - trace.num_rows
     if not trace.complete and orphans > 0:
         report.notes.append(f"{orphans} row(s) after the last record belong to no request")
-
-
-def _table_crc_problem(records, stated: int, crc: int, complete: bool) -> str:
-    """The table checksum must cover the stated records exactly in a complete file.
-
-    A run killed during a flush can leave the root attributes one flush behind
-    or ahead of the table, so in an incomplete file the checksum only has to
-    match some prefix of the records backed by data; records after it are
-    vouched for by their own data checksums, as after any kill.
-    """
-    running, matched = 0, crc == 0
-    for i, record in enumerate(records, 1):
-        running = record_crc([record], running)
-        if complete and i == stated:
-            matched = running == crc
-            break
-        matched = matched or running == crc
-    if matched:
-        return ""
-    where = f"its first {stated} records" if complete else "any prefix of its records"
-    return (
-        f"request table checksum mismatch over {where} "
-        "(a record's id, lengths, offsets or reason was altered)"
-    )
 
 
 def _layout_attr_problems(attrs, routed: h5py.Dataset) -> list[str]:
