@@ -27,8 +27,9 @@ from moetrace.errors import MoetraceError
 from moetrace.trace.reader import Trace, TraceRequest
 from moetrace.trace.wire import hidden_layer_rows, npy_base64
 
-FORMATS = ("jsonl", "npz", "npy", "parquet")
-BINARY_FORMATS = ("npz", "npy", "parquet")
+FORMATS = ("jsonl", "npz", "npy", "parquet", "eplb", "eplb-npy")
+BINARY_FORMATS = ("npz", "npy", "parquet", "eplb-npy")
+LOAD_FORMATS = ("eplb", "eplb-npy")  # one load matrix for the selection, not rows
 DTYPES = ("stored", "int32", "int64")
 LAYOUTS = ("moe", "vllm")
 PARQUET_ROWS = 65536  # routing rows per Parquet row group

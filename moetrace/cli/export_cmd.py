@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -23,7 +24,11 @@ from moetrace.trace.reader import open_trace
 def export_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file."),
     fmt: str = typer.Option(
-        "jsonl", "--format", "-f", help="jsonl (default), npz, npy or parquet."
+        "jsonl",
+        "--format",
+        "-f",
+        help="jsonl (default), npz, npy, parquet; eplb (JSON) or eplb-npy: the per-layer expert "
+        "load matrix DeepSeek's EPLB takes.",
     ),
     output: str = typer.Option(
         STDOUT, "-o", "--output", help="File to write; '-' (the default): standard output."
@@ -43,6 +48,14 @@ def export_command(
         help="moe: one entry per MoE layer; vllm: every hidden layer, dense layers zero "
         "(vLLM's array).",
     ),
+    part: str = typer.Option(
+        "all", "--part", help="eplb formats: the load of all, prompt or output tokens."
+    ),
+    window_tokens: int | None = typer.Option(
+        None,
+        "--window-tokens",
+        help="eplb formats: also one load matrix per N tokens, in record order.",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     no_verify_checksums: bool = typer.Option(
         False,
@@ -57,21 +70,31 @@ def export_command(
     SGLang send it), with shape and dtype.  Decode with
     np.load(io.BytesIO(base64.b64decode(line["routed_experts"]))).
     Parquet has one row per request (pandas, datasets, Arrow read it).
-    Binary formats go to standard output only when it is not a terminal.
+    eplb writes the [num_moe_layers, num_experts] token-expert counts of the
+    selection (EPLB's weight) as JSON, eplb-npy as .npy ([windows, layers,
+    experts] with --window-tokens).  Binary formats go to standard output only
+    when it is not a terminal.
 
     Example: moetrace export t.h5 | head -1 | jq .shape
     """
     from moetrace.analysis.export import (
         BINARY_FORMATS,
         DTYPES,
+        LOAD_FORMATS,
         Layout,
         check_format,
     )
-    from moetrace.analysis.load import select_positions
+    from moetrace.analysis.load import PARTS, select_positions
 
     if dtype not in DTYPES:
         raise MoetraceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_format(fmt, 1)
+    if fmt not in LOAD_FORMATS and (part != "all" or window_tokens is not None):
+        raise MoetraceError("--part and --window-tokens apply to --format eplb and eplb-npy")
+    if part not in PARTS:
+        raise MoetraceError(f"--part must be one of {', '.join(PARTS)}, got {part!r}")
+    if window_tokens is not None and window_tokens < 1:
+        raise MoetraceError(f"--window-tokens must be at least 1, got {window_tokens}")
     to_stdout = output == STDOUT
     if to_stdout:
         if fmt in BINARY_FORMATS:
@@ -84,17 +107,18 @@ def export_command(
         rows_layout = Layout.of(trace, layout)
         positions = select_positions(trace, request, request_range)
         check_format(fmt, trace.num_requests if positions is None else len(positions))
+        what = (positions, dtype, rows_layout, part, window_tokens)
         if to_stdout:  # a closed pipe (`| head`) ends the command quietly
-            _write(fmt, trace, positions, dtype, rows_layout, None)
+            _write(fmt, trace, what, None)
             return
         try:
             with replacing(output) as temporary:
-                _write(fmt, trace, positions, dtype, rows_layout, temporary)
+                _write(fmt, trace, what, temporary)
         except OSError as exc:
             raise MoetraceError(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
-def _write(fmt: str, trace, positions, dtype: str, layout, path: Path | None) -> None:
+def _write(fmt: str, trace, what: tuple, path: Path | None) -> None:
     """One format to ``path``, or to standard output when None."""
     from moetrace.analysis.export import (
         selected_requests,
@@ -104,6 +128,10 @@ def _write(fmt: str, trace, positions, dtype: str, layout, path: Path | None) ->
         write_parquet,
     )
 
+    positions, dtype, layout, part, window_tokens = what
+    if fmt in ("eplb", "eplb-npy"):
+        _write_load(fmt, trace, positions, part, window_tokens, path)
+        return
     if fmt == "jsonl":
         if path is None:
             write_jsonl(selected_requests(trace, positions), sys.stdout, dtype, layout)
@@ -119,4 +147,26 @@ def _write(fmt: str, trace, positions, dtype: str, layout, path: Path | None) ->
             write_npy(next(selected_requests(trace, positions)), out, dtype, layout)
         else:
             write_parquet(trace, positions, out, dtype, layout)
+        out.flush()
+
+
+def _write_load(
+    fmt: str, trace, positions, part: str, window_tokens: int | None, path: Path | None
+) -> None:
+    """The selection's expert load matrix (``analysis/eplb.py``), JSON or ``.npy``."""
+    import numpy as np
+
+    from moetrace.analysis.eplb import WindowedLoad, load_document
+    from moetrace.analysis.load import RowStream, Selection, run
+
+    counter = WindowedLoad(trace.num_moe_layers, trace.num_experts, window_tokens)
+    run(RowStream(trace, Selection(positions, part)), [counter])
+    with contextlib.ExitStack() as stack:
+        if fmt == "eplb":
+            out = sys.stdout if path is None else stack.enter_context(open(path, "w"))
+            doc = load_document(counter, trace.metadata, str(trace.path), part)
+            out.write(json.dumps(doc) + "\n")
+        else:
+            out = sys.stdout.buffer if path is None else stack.enter_context(open(path, "wb"))
+            np.save(out, counter.stacked(), allow_pickle=False)
         out.flush()

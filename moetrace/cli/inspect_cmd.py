@@ -47,6 +47,12 @@ def inspect_command(
     ep_placement: str = typer.Option(
         "contiguous", "--ep-placement", help="contiguous (vLLM linear) or round-robin."
     ),
+    redundant_experts: int = typer.Option(
+        0,
+        "--redundant-experts",
+        help="With --ep-size: replicate this many experts, placed by balanced packing (EPLB's "
+        "idea), and show the ranks' imbalance before and after.",
+    ),
     ep_map: Path | None = typer.Option(
         None, "--ep-map", help="JSON expert->rank list (or one list per MoE layer)."
     ),
@@ -94,6 +100,7 @@ def inspect_command(
         ep_size=ep_size,
         ep_placement=ep_placement,
         ep_map=ep_map,
+        redundant_experts=redundant_experts,
         experts=expert,
         tokens=token,
         token_texts=token_text,

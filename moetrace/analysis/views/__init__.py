@@ -35,6 +35,7 @@ class InspectOptions:
     ep_size: int | None = None
     ep_placement: str = "contiguous"
     ep_map: Path | None = None
+    redundant_experts: int = 0  # replicas placed by balanced packing (ep view)
     experts: list[str] = field(default_factory=list)  # "LAYER:EXPERT"
     tokens: list[str] = field(default_factory=list)  # ids, or text with --token-text
     token_texts: list[str] = field(default_factory=list)
