@@ -225,6 +225,15 @@ def test_64_concurrent_requests_each_equal_their_solo_result(server):
         np.testing.assert_array_equal(rows, solo_rows)
 
 
+def test_weights_need_a_server_that_captures_them(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="demo", prompt="Hi", **greedy(), extra_body={"return_routed_weights": True}
+        )
+    assert err.value.body["param"] == "return_routed_weights"
+    assert "--enable-return-routed-weights" in err.value.body["message"]
+
+
 def test_sglang_generate_decodes_with_sglangs_rule(server, recorded):
     want = recorded["plain"]
     out = httpx.post(

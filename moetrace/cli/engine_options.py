@@ -118,7 +118,7 @@ class WeightsDtype(str, enum.Enum):
 WEIGHTS_DTYPE = typer.Option(
     WeightsDtype.float16,
     "--weights-dtype",
-    help="How gate weights are kept (with --record-weights).",
+    help="How gate weights are kept (and sent): float16 or float32.",
 )
 FLUSH_INTERVAL = typer.Option(
     5.0, "--flush-interval", help="Seconds between flushes: the most a crash can lose."

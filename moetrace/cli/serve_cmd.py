@@ -30,6 +30,13 @@ def serve_command(
         help="Return each choice's routed experts (vLLM's field and encoding; SGLang's on "
         "/generate with return_routed_experts).",
     ),
+    enable_return_routed_weights: bool = typer.Option(
+        False,
+        "--enable-return-routed-weights",
+        help="Capture gate weights too; a request with return_routed_weights gets them beside "
+        "its routed experts (docs/serving.md).",
+    ),
+    weights_dtype: opts.WeightsDtype = opts.WEIGHTS_DTYPE,
     trace_out: Path | None = typer.Option(
         None, "--trace-out", help="Also write every served request to this HDF5 trace."
     ),
@@ -120,6 +127,7 @@ def serve_command(
         seed=seed,
         enforce_eager=enforce_eager or parallel.enabled,
         max_cudagraph_capture_size=max_cudagraph_capture_size,
+        capture_weights=weights_dtype.value if enable_return_routed_weights else None,
     )
     with TensorParallelDriver(parallel, device) as driver:
         server = Server(
@@ -132,6 +140,7 @@ def serve_command(
             port=port,
             served_model_names=list(served_model_name or []) or None,
             return_routed_experts=enable_return_routed_experts,
+            return_routed_weights=enable_return_routed_weights,
             trace_out=trace_out,
             overwrite=overwrite,
             flush_interval_s=flush_interval,

@@ -111,3 +111,10 @@ class Choice:
         encoded = self.ctx.vllm_routed_experts(done.routed_experts, start)
         clock.seconds += time.perf_counter() - t0
         return encoded
+
+    def routed_weights(self, done: FinishedRequest, start: int, clock: EncodeClock) -> dict:
+        """``{"routed_weights": ...}`` for a request that asked (``return_routed_weights``)."""
+        t0 = time.perf_counter()
+        encoded = self.ctx.vllm_routed_weights(done.routed_weights, start)
+        clock.seconds += time.perf_counter() - t0
+        return {"routed_weights": encoded}

@@ -19,7 +19,7 @@ from moetrace.run_setup import generation_defaults as checkpoint_generation_defa
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.protocol import FieldProblem
 from moetrace.tokenizer import Tokenizer
-from moetrace.trace.wire import hidden_layer_rows, int32_base64, npy_base64
+from moetrace.trace.wire import float32_base64, hidden_layer_rows, int32_base64, npy_base64
 
 # vLLM's defaults for OpenAI requests that leave a sampling field out.
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -54,6 +54,7 @@ class ServingContext:
     block_size: int
     return_routed_experts: bool
     eos_token_ids: tuple[int, ...] = ()
+    return_routed_weights: bool = False  # the engine captures gate weights
     sampling_defaults: dict[str, Any] = field(
         default_factory=lambda: dict(OPENAI_SAMPLING_DEFAULTS)
     )
@@ -125,6 +126,24 @@ class ServingContext:
     def sglang_routed_experts(self, rows: np.ndarray, start: int) -> str:
         """SGLang's ``meta_info.routed_experts``: flat int32, rows from ``start`` on."""
         return int32_base64(self.vllm_rows(rows[start:]))
+
+    def check_weights_asked(self, asked: bool) -> None:
+        """Refuse a request for gate weights the engine does not capture."""
+        if asked and not self.return_routed_weights:
+            raise FieldProblem(
+                "return_routed_weights",
+                "the server was started without --enable-return-routed-weights",
+            )
+
+    def vllm_routed_weights(self, weights: np.ndarray, start: int) -> str:
+        """``routed_weights`` beside vLLM's ``routed_experts``: the same rows and layout,
+        ``.npy`` in the captured dtype (float16 or float32), dense layers zero."""
+        return npy_base64(self.vllm_rows(weights[start:]))
+
+    def sglang_routed_weights(self, weights: np.ndarray, start: int) -> str:
+        """``meta_info.routed_weights``: the rows of ``routed_experts``, flat little-endian
+        float32."""
+        return float32_base64(self.vllm_rows(weights[start:]))
 
 
 def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:

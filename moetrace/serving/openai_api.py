@@ -85,6 +85,7 @@ def _plan(
         raise FieldProblem(
             "stream_options.continuous_usage_stats", "not supported by moetrace serve"
         )
+    ctx.check_weights_asked(req.return_routed_weights)
     response_id = f"{prefix}-{new_id()}"
     requests, choices = [], []
     for p, ids in enumerate(prompts):
@@ -130,6 +131,13 @@ def _ctx(http: HttpRequest) -> ServingContext:
     return http.app.state.serving
 
 
+def _routed_weights(req, choice: Choice, done, clock: EncodeClock) -> dict:
+    """The choice's ``routed_weights`` entry when the request asked for it, else nothing."""
+    if not req.return_routed_weights:
+        return {}
+    return choice.routed_weights(done, req.routed_experts_prompt_start, clock)
+
+
 def _completion_lp(ctx: ServingContext, token_ids, lps, offset: int = 0) -> dict | None:
     return None if lps is None else completion_logprobs(ctx.tokenizer, token_ids, lps, offset)
 
@@ -172,6 +180,7 @@ async def completions(http: HttpRequest) -> Response:
                 "routed_experts": choice.routed_experts(
                     done, req.routed_experts_prompt_start, clock
                 ),
+                **_routed_weights(req, choice, done, clock),
             }
         )
     body = {
@@ -236,6 +245,7 @@ async def _completion_stream(
                     routed_experts=choice.routed_experts(
                         done, req.routed_experts_prompt_start, clock
                     ),
+                    **_routed_weights(req, choice, done, clock),
                 )
             else:
                 text = choice.add(event.token_ids)
@@ -298,6 +308,7 @@ async def chat_completions(http: HttpRequest) -> Response:
                 "routed_experts": choice.routed_experts(
                     done, req.routed_experts_prompt_start, clock
                 ),
+                **_routed_weights(req, choice, done, clock),
             }
         )
     body = {
@@ -364,6 +375,7 @@ async def _chat_stream(
                     routed_experts=choice.routed_experts(
                         done, req.routed_experts_prompt_start, clock
                     ),
+                    **_routed_weights(req, choice, done, clock),
                 )
             else:
                 text = choice.add(event.token_ids)

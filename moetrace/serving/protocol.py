@@ -132,6 +132,8 @@ class SamplingFields(Strict):
     request_id: str | None = None
     return_token_ids: bool | None = None
     routed_experts_prompt_start: int = Field(0, ge=0)
+    # moetrace's: each choice's gate weights beside its routed experts (docs/serving.md).
+    return_routed_weights: bool = False
 
     @property
     def stop_strings(self) -> list[str]:
@@ -298,6 +300,7 @@ class GenerateRequest(Strict):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0)
+    return_routed_weights: bool = False  # moetrace's: meta_info.routed_weights
     log_metrics: bool = True
     modalities: list[str] | None = None
 

@@ -116,6 +116,7 @@ class Server:
         port: int = 8000,
         served_model_names: list[str] | None = None,
         return_routed_experts: bool = False,
+        return_routed_weights: bool = False,
         trace_out: str | Path | None = None,
         overwrite: bool = False,
         flush_interval_s: float = 5.0,
@@ -141,6 +142,7 @@ class Server:
         self.host, self.port = host, port
         self.served_model_names = served_model_names or [model]
         self.return_routed_experts = return_routed_experts
+        self.return_routed_weights = return_routed_weights
         self.trace_out = Path(trace_out) if trace_out else None
         self.overwrite = overwrite
         self.flush_interval_s = flush_interval_s
@@ -151,7 +153,13 @@ class Server:
         if self.trace_out is not None:
             self._check_trace_out(self.trace_out)
         # Capture costs nothing to skip when nobody reads the rows.
-        engine.capture_routing = return_routed_experts or self.trace_out is not None
+        engine.capture_routing = (
+            return_routed_experts or return_routed_weights or self.trace_out is not None
+        )
+        if return_routed_weights and engine.capture_weights is None:
+            engine.capture_weights = "float16"
+        if not return_routed_weights:
+            engine.capture_weights = None  # nobody would read them
         self.engine_config = engine
         self.config = read_config(model_dir(model))
         resolve_architecture(self.config, model)
@@ -249,6 +257,7 @@ class Server:
             print(
                 f"moetrace {__version__} serving {self.served_model_names[0]} at {url} "
                 f"(routed experts {'on' if self.return_routed_experts else 'off'}"
+                f"{', routed weights on request' if self.return_routed_weights else ''}"
                 f"{f', trace {self.trace_out}' if self.trace_out else ''})",
                 file=sys.stderr,
                 flush=True,
@@ -272,6 +281,7 @@ class Server:
             num_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.config.block_size,
             return_routed_experts=self.return_routed_experts,
+            return_routed_weights=self.return_routed_weights,
             eos_token_ids=tuple(eos),
             sampling_defaults=self.sampling_defaults,
             created=int(time.time()),

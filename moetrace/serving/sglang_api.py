@@ -5,6 +5,9 @@ SGLang's encoding: base64 of the flat int32 buffer of shape
 ``(prompt_len + output_len - 1 - routed_experts_start_len, num_hidden_layers,
 top_k)`` (dense layers zero), decoded by clients with
 ``np.frombuffer(b64decode(s), np.int32).reshape(-1, num_hidden_layers * top_k)``.
+With ``return_routed_weights`` (moetrace's, on a server started with
+``--enable-return-routed-weights``) ``meta_info.routed_weights`` holds their
+gate weights in the same layout as flat little-endian float32.
 A batch (``text`` or ``input_ids`` as a list) or ``n`` > 1 is answered with a
 list, one entry per sequence, as SGLang does.
 """
@@ -70,6 +73,7 @@ class _Plan:
                 "return_routed_experts",
                 "the server was started without --enable-return-routed-experts",
             )
+        ctx.check_weights_asked(req.return_routed_weights)
         sampling: GenerateSampling = req.sampling()
         if sampling.max_new_tokens == 0:
             raise FieldProblem("sampling_params.max_new_tokens", "must be at least 1 here")
@@ -148,6 +152,12 @@ def _output(
         t0 = time.perf_counter()
         meta["routed_experts"] = ctx.sglang_routed_experts(
             done.routed_experts, req.routed_experts_start_len
+        )
+        clock.seconds += time.perf_counter() - t0
+    if req.return_routed_weights:
+        t0 = time.perf_counter()
+        meta["routed_weights"] = ctx.sglang_routed_weights(
+            done.routed_weights, req.routed_experts_start_len
         )
         clock.seconds += time.perf_counter() - t0
     return {"text": choice.text, "output_ids": done.output_token_ids.tolist(), "meta_info": meta}

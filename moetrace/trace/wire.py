@@ -36,6 +36,12 @@ def int32_base64(array: np.ndarray) -> str:
     return pybase64.b64encode(flat.data).decode("ascii")
 
 
+def float32_base64(array: np.ndarray) -> str:
+    """Base64 of ``array`` as flat little-endian float32 (gate weights, SGLang-style)."""
+    flat = np.ascontiguousarray(array, dtype="<f4")
+    return pybase64.b64encode(flat.data).decode("ascii")
+
+
 def hidden_layer_rows(
     rows: np.ndarray, moe_layer_indices: Sequence[int], num_hidden_layers: int
 ) -> np.ndarray:
