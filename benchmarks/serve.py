@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 
 CONFIGS = Path(__file__).parent / "configs"
+sys.path.insert(0, str(Path(__file__).parent))
+import serve_timeline as timeline  # noqa: E402
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -52,10 +54,29 @@ def percentile(values: list[float], q: float) -> float:
 # ------------------------------------------------------------------------------ record
 
 
+def _time_steps(steps: list[tuple]) -> None:
+    """Wrap ``LLMEngine.step`` so each call appends the columns ``timeline.summarise`` reads."""
+    from moetrace.engine.llm_engine import LLMEngine
+
+    step = LLMEngine.step
+
+    def timed(self):
+        counts = len(self.scheduler.running), len(self.scheduler.waiting)
+        start, cpu = time.monotonic(), time.thread_time()
+        finished = step(self)
+        steps.append((start, time.monotonic(), time.thread_time() - cpu, *counts, len(finished)))
+        return finished
+
+    LLMEngine.step = timed  # type: ignore[method-assign]
+
+
 def _record_worker(model_dir: str, prompts: list[list[int]], args: dict, queue) -> None:
     """One process: a warm-up recording, then the measured one (what ``record`` runs)."""
     from moetrace.config import EngineConfig
     from moetrace.recording import Recording, SamplingDefaults
+
+    steps: list[tuple] = []
+    _time_steps(steps)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prompts.jsonl"
@@ -78,8 +99,15 @@ def _record_worker(model_dir: str, prompts: list[list[int]], args: dict, queue) 
                 dtype=args["dtype"],
                 load_format="dummy",
             )
+            steps.clear()
             result = recording.run()
-            results.append({"output_tokens": result.output_tokens, "seconds": result.elapsed_s})
+            results.append(
+                {
+                    "output_tokens": result.output_tokens,
+                    "seconds": result.elapsed_s,
+                    "steps": timeline.record_steps(steps),
+                }
+            )
     queue.put(results[-1])
 
 
@@ -92,6 +120,7 @@ def bench_record(model_dir: str, prompts, args) -> dict:
     proc.join()
     result["tok_s"] = result["output_tokens"] / result["seconds"]
     print(f"record: {result['tok_s']:,.0f} output tok/s ({result['seconds']:.2f} s)", flush=True)
+    print(timeline.describe_record(result["steps"]), flush=True)
     return result
 
 
@@ -99,7 +128,7 @@ def bench_record(model_dir: str, prompts, args) -> dict:
 
 
 class Server:
-    def __init__(self, model_dir: str, args, trace: Path | None) -> None:
+    def __init__(self, model_dir: str, args, trace: Path | None, timeline_out: Path) -> None:
         cmd = [
             sys.executable, "-m", "moetrace", "serve", model_dir,
             "--port", "0", "--load-format", "dummy", "--dtype", args.dtype,
@@ -114,7 +143,8 @@ class Server:
             cmd.append("--enable-return-routed-experts")
         if trace is not None:
             cmd += ["--trace-out", str(trace)]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, "MOETRACE_SERVE_TIMELINE": str(timeline_out)}
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
         self.url = ""
         ready = threading.Event()
 
@@ -144,6 +174,7 @@ async def _one(http, url: str, prompt: list[int], args, record: dict) -> None:
         "ignore_eos": True,
         "stream": args.stream,
     }
+    record["sent"] = time.monotonic()
     start = time.perf_counter()
     if args.stream:
         first = None
@@ -169,6 +200,7 @@ async def _one(http, url: str, prompt: list[int], args, record: dict) -> None:
         encode_ms = float(r.headers.get("x-routed-experts-encode-ms", "nan"))
         record["routed_experts"] = out["choices"][0]["routed_experts"]
     record["latency"] = time.perf_counter() - start
+    record["done"] = time.monotonic()
     record["tokens"] = tokens
     record["encode_ms"] = encode_ms
 
@@ -193,6 +225,7 @@ async def drive(url: str, prompts, args, *, measure: bool) -> dict:
                 await _one(http, endpoint, prompts[i], args, records[i])
 
         start = time.perf_counter()
+        window_start, client_cpu = time.monotonic(), time.process_time()
         if args.request_rate == float("inf"):
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         else:
@@ -208,6 +241,7 @@ async def drive(url: str, prompts, args, *, measure: bool) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
             await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
+        window_end, client_cpu = time.monotonic(), time.process_time() - client_cpu
     if not measure:
         return {}
     tokens = sum(r["tokens"] for r in records)
@@ -230,6 +264,9 @@ async def drive(url: str, prompts, args, *, measure: bool) -> dict:
         ttft = [r["ttft"] for r in records]
         result.update(ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99))
     result["sample_shape"] = _check_sample(records[0].get("routed_experts"), prompts[0], args)
+    result["window"] = (window_start, window_end)
+    result["client"] = [(r["sent"], r["done"]) for r in records]
+    result["client_cpu_s"] = client_cpu
     return result
 
 
@@ -248,13 +285,19 @@ def _check_sample(encoded: str | None, prompt: list[int], args) -> list[int] | N
 def bench_serve(model_dir: str, prompts, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "served.h5" if args.trace_out else None
-        server = Server(model_dir, args, trace)
+        timeline_out = Path(tmp) / "timeline.json"
+        server = Server(model_dir, args, trace, timeline_out)
         try:
             warm = argparse.Namespace(**{**vars(args), "output_len": args.warmup_tokens})
             asyncio.run(drive(server.url, prompts, warm, measure=False))
             result = asyncio.run(drive(server.url, prompts, args, measure=True))
         finally:
             server.stop()
+        raw = json.loads(timeline_out.read_text())
+    if args.out:
+        args.out.with_suffix(".timeline.json").write_text(json.dumps(raw))
+    window, client = result.pop("window"), result.pop("client")
+    result["timeline"] = timeline.summarise_serve(raw, window, client, result["client_cpu_s"])
     print(
         f"serve: {result['tok_s']:,.0f} output tok/s, latency p50 {result['latency_p50_s']:.2f} s "
         f"p99 {result['latency_p99_s']:.2f} s, encode {result['encode_ms_mean']:.3f} ms/request "
@@ -262,6 +305,7 @@ def bench_serve(model_dir: str, prompts, args) -> dict:
         + (f", TTFT p50 {result['ttft_p50_s']:.3f} s" if args.stream else ""),
         flush=True,
     )
+    print(timeline.describe_serve(result["timeline"]), flush=True)
     return result
 
 

@@ -34,6 +34,7 @@ from moetrace.engine.request import Request
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError
 from moetrace.serving.logprobs import TokenLogprobs, from_request
+from moetrace.serving.timeline import Timeline
 from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
 
@@ -123,12 +124,14 @@ class EngineLoop:
         *,
         writer: TraceWriter | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.engine = engine
         self.loop = loop
         self.writer = writer
         self.on_fatal = on_fatal or (lambda message: None)
         self.stats = LoopStats()
+        self.timeline = timeline
         self.fatal: str | None = None
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Event()
@@ -144,6 +147,8 @@ class EngineLoop:
         self._thread.start()
 
     def add(self, handle: RequestHandle) -> None:
+        if self.timeline is not None:
+            self.timeline.arrivals.append(time.monotonic())
         self._inbox.append(("add", handle))
         self._wake.set()
 
@@ -167,8 +172,12 @@ class EngineLoop:
     # ---------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self.engine
+        timeline = self.timeline
         try:
             while True:
+                if timeline is not None:
+                    loop_start, loop_cpu = time.monotonic(), time.thread_time()
+                    inbox = len(self._inbox)
                 events = self._take_inbox()
                 if self._stopping and (
                     not engine.has_unfinished() or time.monotonic() >= self._deadline
@@ -178,15 +187,35 @@ class EngineLoop:
                     return
                 if not engine.has_unfinished():
                     self._deliver(events)
+                    idle_start = time.monotonic()
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    if timeline is not None:
+                        timeline.idle.append((idle_start, time.monotonic()))
                     continue
+                if timeline is not None:
+                    counts = len(engine.scheduler.running), len(engine.scheduler.waiting)
+                    step_start, step_cpu = time.monotonic(), time.thread_time()
                 finished = engine.step()
+                if timeline is not None:
+                    step_end, step_cpu = time.monotonic(), time.thread_time() - step_cpu
                 self.stats.steps += 1
                 # A request that ended this step gets its last tokens with Finished instead.
                 events += self._stream_tokens({f.request_id for f in finished})
                 events += self._ended(finished)
                 self._deliver(events)
+                if timeline is not None:
+                    timeline.step(
+                        loop_start,
+                        step_start,
+                        step_end,
+                        time.monotonic(),
+                        step_cpu,
+                        time.thread_time() - loop_cpu,
+                        *counts,
+                        inbox,
+                        len(finished),
+                    )
         except BaseException as exc:  # an engine bug or a failed trace write: stop serving
             message = " ".join(str(exc).split()) or type(exc).__name__
             self.fatal = message

@@ -39,6 +39,7 @@ from moetrace.run_setup import (
 from moetrace.serving.app import create_app
 from moetrace.serving.context import ModelFacts, ServingContext, generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
+from moetrace.serving.timeline import Timeline, timeline_path
 from moetrace.signals import signal_name
 from moetrace.trace.writer import TraceWriter
 
@@ -270,7 +271,9 @@ class Server:
         def fatal(message: str) -> None:
             loop.call_soon_threadsafe(setattr, server, "should_exit", True)
 
-        engine_loop = EngineLoop(engine, loop, writer=writer, on_fatal=fatal)
+        timeline_out = timeline_path()
+        timeline = Timeline() if timeline_out is not None else None
+        engine_loop = EngineLoop(engine, loop, writer=writer, on_fatal=fatal, timeline=timeline)
         ctx = ServingContext(
             loop=engine_loop,
             tokenizer=self.tokenizer,
@@ -288,11 +291,15 @@ class Server:
         )
         config.app = create_app(ctx)
         engine_loop.start()
+        sampler = asyncio.ensure_future(timeline.sample_cpu()) if timeline is not None else None
         try:
             await server.serve()
         finally:
             ctx.draining = True
             await asyncio.to_thread(engine_loop.shutdown, 0.0)
+            if sampler is not None and timeline is not None and timeline_out is not None:
+                sampler.cancel()
+                timeline.write(timeline_out)
             stats = engine_loop.stats
             result.requests = stats.requests_finished
             result.aborted = stats.requests_aborted
