@@ -677,14 +677,14 @@ def test_gpt_oss_experts_kernel_matches_the_plain_path(weight_format: str, num_t
 @cuda_only
 @pytest.mark.parametrize("num_tokens", [1, 256, 2048])
 def test_mxfp4_dot_scaled_equals_the_bit_decoder(num_tokens: int) -> None:
-    """On the GPU MXFP4 goes through ``tl.dot_scaled``; the kernel's own decoder must agree."""
+    """MXFP4 decoded by ``tl.dot_scaled`` and by the kernel's own bits agree, on the tiles used."""
     from moetrace.kernels.triton_moe import fused_moe_with_config, moe_config
 
     experts = gpt_oss_experts("mxfp4", 2880, 2880, seed=3)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(num_tokens, 2880, generator=gen).to(BF16).to(DEVICE)
     weights, ids = skewed_routing(num_tokens, 8, 4, gen)
-    cfg = moe_config(num_tokens, 4, 8)
+    cfg = moe_config(num_tokens, 4, 8, mxfp4=True)
     outs = [
         fused_moe_with_config(
             x,

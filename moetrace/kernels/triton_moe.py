@@ -521,23 +521,34 @@ class MoEConfig(NamedTuple):
     group_m: int
     num_warps: int
     num_stages: int
+    mxfp4_native: bool = True  # MXFP4 decoded by tl.dot_scaled (else the kernel's bit decoder)
 
 
-def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
-    """Tile config by the mean rows per expert (bf16, H200, benchmarks/kernels.py).
+def moe_config(num_tokens: int, top_k: int, num_experts: int, *, mxfp4: bool = False) -> MoEConfig:
+    """Tile config by the mean rows per expert (H200, ``benchmarks/moe_tiles.py``).
 
-    Few rows per expert (decode): the GEMMs stream weights; 16-row blocks and
-    long K steps (Qwen3 T=256, graph replay: 340 us, 3.56 TB/s of weights).
-    Up to ~160 rows: 64x128 tiles, 4 stages (OLMoE T=256: 232 us vs 297-327
-    for 16-row configs; a 32-row config was 2x slower).  Beyond (prefill):
-    128x128x64 tiles, 8 warps, launch order grouped by 16 row blocks for L2
-    reuse: 417 / 470 TFLOP/s at T=8192 (Qwen3 / OLMoE), best of the sweep.
+    Few rows per expert (decode): the GEMMs stream weights.  Up to 16 rows,
+    32-row blocks with 128-wide K steps (Qwen3 T=256, graph replay: 321 us vs
+    343 for 16-row blocks); up to ~160, 64x64 tiles, 3 stages (OLMoE 233 us,
+    DeepSeek-V2-Lite 302, gpt-oss bf16 427: 0-4% under 64x128, 4 stages).
+    Beyond (prefill): 128x128x64 tiles, 8 warps, launch order grouped by 16
+    row blocks for L2 reuse: 417 / 470 TFLOP/s at T=8192 (Qwen3 / OLMoE).
+
+    MXFP4 (gpt-oss-20b, the decoding in registers bounds it, not HBM): at
+    decode the kernel's bit decoder on 64x128 tiles (583 us at T=256) beats
+    ``tl.dot_scaled`` on any tile of the sweep (657 us at best); at prefill
+    ``tl.dot_scaled`` on 128x64 tiles, 4 warps (5.74 ms at T=8192 vs 6.93 on
+    the dense prefill tile).
     """
     rows_per_expert = num_tokens * top_k / num_experts
+    if mxfp4:
+        if rows_per_expert <= 160:
+            return MoEConfig(64, 128, 64, 8, 4, 4, mxfp4_native=False)
+        return MoEConfig(128, 64, 64, 8, 4, 3)
     if rows_per_expert <= 16:
-        return MoEConfig(16, 64, 128, 64, 4, 4)
+        return MoEConfig(32, 64, 128, 8, 4, 3)
     if rows_per_expert <= 160:
-        return MoEConfig(64, 128, 64, 8, 4, 4)
+        return MoEConfig(64, 64, 64, 8, 4, 3)
     return MoEConfig(128, 128, 64, 16, 8, 3)
 
 
@@ -581,7 +592,8 @@ def fused_moe(
     buffer the ids (the weights) are also written to.
     """
     num_tokens, top_k = topk_ids.shape
-    cfg = moe_config(num_tokens, top_k, w13.shape[0])
+    mxfp4 = extras is not None and extras.w13_scale is not None
+    cfg = moe_config(num_tokens, top_k, w13.shape[0], mxfp4=mxfp4)
     return fused_moe_with_config(
         hidden,
         w13,
@@ -622,7 +634,8 @@ def fused_moe_with_config(
     """``fused_moe`` with an explicit tile config (benchmarks sweep these).
 
     ``mxfp4_native`` picks how MXFP4 weights are decoded: ``tl.dot_scaled``
-    (default on CUDA) or the kernel's own bit arithmetic (``False``).
+    (where it compiles) or the kernel's own bit arithmetic (``False``); by
+    default the config's choice.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; have {ACTIVATIONS}")
@@ -648,6 +661,8 @@ def fused_moe_with_config(
     b2 = w2 if extras.b2 is None else extras.b2.contiguous()
     s13 = w13 if extras.w13_scale is None else extras.w13_scale.contiguous()
     s2 = w2 if extras.w2_scale is None else extras.w2_scale.contiguous()
+    if mxfp4_native is None and not cfg.mxfp4_native:
+        mxfp4_native = False
     if mxfp4 and mxfp4_native is None and _mxfp4_native(hidden.device):
         try:
             return fused_moe_with_config(

@@ -1,0 +1,200 @@
+"""Sweep the fused-MoE kernels' tile configs at the decode step's shape, per family.
+
+    PYTHONPATH=. python3 benchmarks/moe_tiles.py [--tokens 256] [--shapes olmoe,gpt-oss-mx]
+
+For each shape (a family's experts at batch ``--tokens``, top-k routing drawn
+at random) every config of the grid runs as a CUDA-graph replay (as the
+engine's decode does) and is timed with ``triton.testing.do_bench``; the
+table gives each config's time, its GB/s over the expert weights that got
+tokens, and how far it is from the HBM bound (``--hbm-gbs``).  Compilation is
+done first by worker processes in parallel (each launches its share once, so
+Triton's on-disk cache holds every variant), then one process times them all:
+a sweep of hundreds of variants fits in a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moetrace.kernels import triton_moe as tm
+from moetrace.layers.moe import MoEExperts
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    fmt: str = "dense"  # or "mxfp4"
+    native: bool | None = None  # MXFP4 decoder: tl.dot_scaled (True) or bit arithmetic
+
+    @property
+    def activation(self) -> str:
+        return "clamped_swiglu" if self.name.startswith("gpt-oss") else "silu"
+
+
+SHAPES = {
+    s.name: s
+    for s in [
+        Shape("olmoe", 64, 8, 2048, 1024),
+        Shape("qwen3", 128, 8, 2048, 768),
+        Shape("deepseek-v2-lite", 64, 6, 2048, 1408),
+        Shape("gpt-oss-bf16", 32, 4, 2880, 2880),
+        Shape("gpt-oss-mx", 32, 4, 2880, 2880, "mxfp4", True),
+        Shape("gpt-oss-mx-bits", 32, 4, 2880, 2880, "mxfp4", False),
+    ]
+}
+
+
+def grid(shape: Shape, tokens: int) -> list[tm.MoEConfig]:
+    """Decode: row blocks of 16-64, K steps as wide as MXFP4's bytes allow; prefill: 64-128."""
+    if tokens * shape.top_k / shape.experts <= 160:
+        blocks_m, stages = (16, 32, 64), (3, 4)
+        ks = (128, 256, 512) if shape.fmt == "mxfp4" else (64, 128, 256)
+    else:
+        blocks_m, stages, ks = (64, 128), (3,), (64, 128)
+    return [
+        tm.MoEConfig(bm, bn, bk, 8, warps, st)
+        for bm, bn, bk, warps, st in itertools.product(blocks_m, (64, 128), ks, (4, 8), stages)
+    ]
+
+
+def build(shape: Shape, tokens: int, seed: int = 0):
+    """Experts with random weights (MXFP4: random codes, scales near 2**-7) and a routing."""
+    torch.manual_seed(seed)
+    experts = MoEExperts(
+        shape.experts,
+        shape.hidden,
+        shape.inter,
+        shape.activation,
+        bias=shape.activation == "clamped_swiglu",
+        weight_format=shape.fmt,
+    )
+    with torch.no_grad():
+        for name, p in experts.named_parameters():
+            if name.endswith("_scale"):
+                p.copy_(torch.randint(116, 124, p.shape))
+            elif p.dtype == torch.uint8:
+                p.copy_(torch.randint(0, 256, p.shape))
+            else:
+                p.normal_(0, 0.02)
+    experts = experts.to(torch.bfloat16).cuda()
+    x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(tokens, shape.experts, device="cuda")
+    vals, ids = logits.topk(shape.top_k, dim=-1)
+    per_expert = sum(p[0].nbytes for p in experts.parameters())
+    nbytes = int(torch.unique(ids).numel()) * per_expert
+    return experts, x, vals.softmax(-1).to(torch.bfloat16), ids.to(torch.int32), nbytes
+
+
+def runner(shape: Shape, built, cfg: tm.MoEConfig):
+    experts, x, wts, ids, _ = built
+    extras = experts._kernel_extras() if shape.activation == "clamped_swiglu" else None
+    return lambda: tm.fused_moe_with_config(
+        x, experts.w13, experts.w2, wts, ids, cfg, shape.activation,
+        extras=extras, mxfp4_native=shape.native,
+    )  # fmt: skip
+
+
+def compile_share(args: tuple[list[str], int, int, int]) -> int:
+    """A worker: launch every ``index % workers == share`` variant once (fills the cache)."""
+    names, tokens, share, workers = args
+    done = 0
+    index = 0
+    for name in names:
+        shape = SHAPES[name]
+        built = build(shape, tokens)
+        for cfg in grid(shape, tokens):
+            if index % workers == share:
+                try:
+                    runner(shape, built, cfg)()
+                    done += 1
+                except Exception:  # a config that does not fit: timed as failed later
+                    pass
+            index += 1
+    torch.cuda.synchronize()
+    return done
+
+
+def time_graph(fn) -> float:
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--hbm-gbs", type=float, default=4800.0)
+    parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    names = args.shapes.split(",")
+    if args.workers > 1:
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            pool.map(
+                compile_share,
+                [(names, args.tokens, i, args.workers) for i in range(args.workers)],
+            )
+    results = {}
+    for name in names:
+        shape = SHAPES[name]
+        built = build(shape, args.tokens)
+        nbytes = built[4]
+        default = tm.moe_config(args.tokens, shape.top_k, shape.experts, mxfp4=shape.fmt == "mxfp4")
+        rows = []
+        for cfg in dict.fromkeys([default, *grid(shape, args.tokens)]):
+            try:
+                ms = time_graph(runner(shape, built, cfg))
+            except Exception as exc:
+                print(f"{name} {tuple(cfg)} failed: {type(exc).__name__}", file=sys.stderr)
+                continue
+            rows.append((ms, cfg))
+        rows.sort(key=lambda r: r[0])
+        bound_ms = nbytes / (args.hbm_gbs * 1e9) * 1e3
+        print(
+            f"\n{name} T={args.tokens}: {nbytes / 1e6:.0f} MB of weights, bound {bound_ms * 1e3:.0f} us"
+        )
+        default_ms = next((ms for ms, cfg in rows if cfg == default), float("nan"))
+        print(
+            f"  default {tuple(default)}: {default_ms * 1e3:.0f} us ({default_ms / bound_ms:.2f}x)"
+        )
+        for ms, cfg in rows[: args.top]:
+            print(
+                f"  {tuple(cfg)}: {ms * 1e3:.0f} us ({ms / bound_ms:.2f}x, {nbytes / ms / 1e6:.0f} GB/s)"
+            )
+        results[name] = {
+            "bound_us": bound_ms * 1e3,
+            "default": [list(default), default_ms * 1e3],
+            "rows": [[list(cfg), ms * 1e3] for ms, cfg in rows],
+        }
+        del built
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
