@@ -12,8 +12,16 @@ import json
 
 import h5py
 import numpy as np
-from hf_reference import make_tiny_checkpoint, reference_logprobs, reference_routing
-from parity import assert_weights_match
+import pytest
+import torch
+from hf_reference import (
+    FAMILIES,
+    load_reference_model,
+    make_tiny_checkpoint,
+    reference_logprobs,
+    reference_routing,
+)
+from parity import assert_weights_match, record
 from test_cli_entry import moetrace
 
 from moetrace import open_trace
@@ -57,6 +65,21 @@ def test_weights_and_logprobs_equal_transformers(tmp_path):
             np.testing.assert_allclose(req.output_logprobs, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float16_weights_of_every_family_are_transformers_rounded_once(tmp_path, family):
+    """The default storage: each family's router outputs within float16's tolerance
+    (tests/parity.py checks float32 storage, family by family and shape by shape)."""
+    ckpt = make_tiny_checkpoint(family, tmp_path / family, seed=17)
+    prompts = {"a": [5, 17, 42, 8, 99, 3, 61], "b": [250, 1, 77, 5]}
+    done = record(ckpt, prompts, 3, capture_weights="float16", max_num_batched_tokens=8)["done"]
+    for rid, prompt in prompts.items():
+        got = done[rid]
+        assert got.routed_weights.dtype == np.float16
+        ref = reference_routing(ckpt, prompt + got.output_token_ids.tolist()[:-1])
+        np.testing.assert_array_equal(got.routed_experts, ref["topk_ids"])
+        assert_weights_match(got.routed_weights, ref["topk_weights"], f"{family} {rid}")
+
+
 def test_float32_weights_and_a_trace_without_them(tmp_path):
     ckpt = make_tiny_checkpoint("mixtral", tmp_path / "ckpt", seed=4)
     out = _record(tmp_path, ckpt, "t32.h5", "--record-weights", "--weights-dtype", "float32")
@@ -89,3 +112,31 @@ def test_a_bad_weights_dtype_is_a_usage_error(tmp_path):
     proc = moetrace("record", "demo", "p.jsonl", "-o", "t.h5", "--weights-dtype", "bfloat16")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "bfloat16" in proc.stderr and "float16" in proc.stderr
+
+
+def test_logprobs_are_the_raw_distribution_under_temperature_and_penalties(tmp_path):
+    """As vLLM's default (``logprobs_mode`` raw_logprobs): the log-softmax of the model's own
+    logits, before penalties, temperature, top-k and top-p reshape what is sampled from."""
+    ckpt = make_tiny_checkpoint("olmoe", tmp_path / "ckpt", seed=6)
+    sampling = {"temperature": 2.5, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.8,
+                "frequency_penalty": 0.7, "max_tokens": 8, "ignore_eos": True}  # fmt: skip
+    lines = [{"id": f"s{i}", "prompt_token_ids": [5, 17 + i, 42, 8], "seed": i, **sampling}
+             for i in range(3)]  # fmt: skip
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "t.h5"
+    proc = moetrace("record", str(ckpt), str(prompts), "-o", str(out), "-q", "--device", "cpu",
+                    "--dtype", "float32", "--logprobs")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    model = load_reference_model(ckpt)
+    with open_trace(out) as trace:
+        for req in trace:
+            tokens = torch.tensor([[*req.prompt_token_ids, *req.output_token_ids]])
+            with torch.no_grad():
+                logits = model(input_ids=tokens[:, :-1], use_cache=False).logits[0].double()
+            rows = slice(req.prompt_len - 1, None)
+            chosen = tokens[0, req.prompt_len :, None]
+            raw = logits[rows].log_softmax(-1).gather(1, chosen)[:, 0].numpy()
+            tempered = (logits[rows] / 2.5).log_softmax(-1).gather(1, chosen)[:, 0].numpy()
+            np.testing.assert_allclose(req.output_logprobs, raw, rtol=1e-5, atol=1e-5)
+            assert np.abs(tempered - raw).max() > 0.1  # the two readings are told apart
