@@ -196,3 +196,43 @@ def test_tensor_parallel_replay_reproduces_a_single_device_trace(tmp_path):
     assert report["identical"] and report["logprobs"]["max_abs_logprob_diff"] < 1e-4
     with open_trace(tmp_path / "tp2.h5") as b:
         assert b.metadata["engine_settings"]["tensor_parallel_size"] == 2
+
+
+def test_a_trace_with_prefix_cache_hits_and_samples_replays_exactly(tmp_path):
+    """Requests that shared cached prompt blocks when recorded (and n > 1 samples of one
+    prompt) share them again when replayed, and every row and log-probability comes back."""
+    ckpt = make_tiny_checkpoint("olmoe", tmp_path / "ckpt", seed=12)
+    shared = list(range(40, 53))  # three full blocks of 4, and one token more
+    sampled = {"temperature": 1.0, "seed": 4, "max_tokens": 6, "ignore_eos": True}
+    lines = [
+        {"id": "s", "prompt_token_ids": [*shared, 7, 8], "n": 3, **sampled},
+        {"id": "t", "prompt_token_ids": [*shared, 9], **sampled},
+        {"id": "u", "prompt_token_ids": [*shared, 7, 8, 99, 100, 101, 102], **sampled},
+        # Greedy twins: the second's whole sequence is cached by the first's replay, yet
+        # only its prompt but the last token may be served (the rest is scored).
+        *({"id": g, "prompt_token_ids": [*shared, 5], "max_tokens": 6, "ignore_eos": True}
+          for g in ("g1", "g2")),
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    trace = str(tmp_path / "t.h5")
+    proc = moetrace("record", str(ckpt), str(prompts), "-o", trace, "--dtype", "float32", "--logprobs",
+                    "--max-num-seqs", "1", *ENGINE)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    with open_trace(trace) as a:
+        assert a.num_requests == 7 and sum(r.num_cached_tokens > 0 for r in a) >= 5
+        g1, g2 = a.request("g1"), a.request("g2")
+        assert g2.output_token_ids.tolist() == g1.output_token_ids.tolist()
+    free = replay(trace, ckpt, tmp_path / "r.h5", "--max-num-seqs", "1")
+    forced = replay(trace, ckpt, tmp_path / "f.h5", "--max-num-seqs", "2", "--force-routing")
+    for report, out in ((free, "r.h5"), (forced, "f.h5")):
+        assert report["identical"] and report["requests"]["compared"] == 7
+        assert report["logprobs"]["tokens"] == 7 * 6
+        assert report["logprobs"]["max_abs_logprob_diff"] < 1e-4
+        with open_trace(trace) as a, open_trace(tmp_path / out) as b:
+            assert sum(r.num_cached_tokens > 0 for r in b) >= 5  # the replay used the cache
+            assert b.request("g2").num_cached_tokens == 12  # its prompt's full blocks
+            for ra in a:
+                rb = b.request((ra.id, ra.sample_index))
+                np.testing.assert_array_equal(rb.routed_experts, ra.routed_experts)
+                np.testing.assert_allclose(rb.output_logprobs, ra.output_logprobs, atol=1e-4)
