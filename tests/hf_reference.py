@@ -622,6 +622,21 @@ def _forced_weights(family: str, router: nn.Module, logits: torch.Tensor, ids: t
         return logits.softmax(dim=-1, dtype=torch.float32).gather(1, ids) * (
             router.routed_scaling_factor
         )
+    if family == "phimoe":
+        # The sparsemixer's eval computation with each forced pick in place of its max: the
+        # logits within a relative 2 * jitter of the pick (the second without the first) are
+        # softmaxed and the pick's share taken.  For the picks it makes itself, its own.
+        eps = router.router_jitter_noise
+        first, second = ids[:, :1], ids[:, 1:]
+        threshold = logits.gather(-1, first)
+        factor = logits.abs().clamp(min=threshold)
+        gates = logits.masked_fill((threshold - logits) / factor > 2 * eps, float("-inf"))
+        w_first = torch.softmax(gates, dim=-1).gather(-1, first)
+        masked = torch.scatter(logits, -1, first, float("-inf"))
+        threshold = masked.gather(-1, second)
+        factor = logits.abs().clamp(min=threshold)
+        gates = masked.masked_fill((threshold - logits) / factor > 2 * eps, float("-inf"))
+        return torch.cat((w_first, torch.softmax(gates, dim=-1).gather(-1, second)), dim=-1)
     raise ValueError(f"no forced-weight rule for {family!r}")
 
 

@@ -5,7 +5,7 @@
   router has a near-tie between the k-th and the next expert;
 - forced routing through a model whose routers were perturbed: the recorded ids come
   back, and the log-probabilities are transformers' forward with those experts forced
-  (a hook on its router modules, tests/hf_reference.py), for six families.
+  (a hook on its router modules, tests/hf_reference.py), for every family.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import (
+    FAMILIES,
     build_tiny_model,
     capture_router_calls,
     load_reference_model,
@@ -148,9 +149,7 @@ def replay_in_process(trace: str, ckpt, out, *, force_routing: bool) -> dict:
     return run.run().report
 
 
-@pytest.mark.parametrize(
-    "family", ["qwen3_moe", "olmoe", "mixtral", "granitemoe", "gpt_oss", "deepseek_v3"]
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_forced_routing_replays_the_recorded_experts(tmp_path, family):
     overrides = {"norm_topk_prob": False} if family == "olmoe" else {}
     ckpt = make_tiny_checkpoint(family, tmp_path / "ckpt", seed=5, **overrides)
