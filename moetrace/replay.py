@@ -37,7 +37,13 @@ from moetrace.models.demo import model_dir
 from moetrace.models.loader import read_config
 from moetrace.models.registry import resolve_architecture
 from moetrace.output_files import check_new_output
-from moetrace.run_setup import load_engine, load_tokenizer, model_metadata, resolve_device
+from moetrace.run_setup import (
+    load_engine,
+    load_tokenizer,
+    model_metadata,
+    model_source,
+    resolve_device,
+)
 from moetrace.signals import GracefulStop, Interrupted, signal_name
 from moetrace.trace.reader import TraceRequest, open_trace
 from moetrace.trace.records import FinishedRequest
@@ -93,7 +99,7 @@ class Replay:
         self.load_format = load_format
         self.overwrite = overwrite
         self.force_routing = force_routing
-        self.extra_settings = dict(extra_settings or {})
+        self.extra_settings = {**(extra_settings or {}), **model_source(model)}
         if force_routing and self.extra_settings.get("tensor_parallel_size", 1) > 1:
             raise MoetraceError(
                 "--force-routing runs on one device for now (tensor-parallel workers would "

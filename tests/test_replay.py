@@ -25,7 +25,7 @@ from hf_reference import (
     reference_forced_logprobs,
     selection_scores,
 )
-from test_cli_entry import moetrace
+from test_cli_entry import ENV, moetrace
 
 from moetrace import open_trace
 from moetrace.config import EngineConfig
@@ -209,8 +209,10 @@ def test_a_trace_with_prefix_cache_hits_and_samples_replays_exactly(tmp_path):
         {"id": "u", "prompt_token_ids": [*shared, 7, 8, 99, 100, 101, 102], **sampled},
         # Greedy twins: the second's whole sequence is cached by the first's replay, yet
         # only its prompt but the last token may be served (the rest is scored).
-        *({"id": g, "prompt_token_ids": [*shared, 5], "max_tokens": 6, "ignore_eos": True}
-          for g in ("g1", "g2")),
+        *(
+            {"id": g, "prompt_token_ids": [*shared, 5], "max_tokens": 6, "ignore_eos": True}
+            for g in ("g1", "g2")
+        ),
     ]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -235,3 +237,28 @@ def test_a_trace_with_prefix_cache_hits_and_samples_replays_exactly(tmp_path):
                 rb = b.request((ra.id, ra.sample_index))
                 np.testing.assert_array_equal(rb.routed_experts, ra.routed_experts)
                 np.testing.assert_allclose(rb.output_logprobs, ra.output_logprobs, atol=1e-4)
+
+
+def test_another_revision_of_a_cached_model_id(tmp_path, monkeypatch):
+    """``--revision`` picks the checkpoint revision replayed, as record's does: the trace's
+    own revision reproduces it, one with perturbed routers does not."""
+    from test_model_ids import add_snapshot
+
+    ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", seed=8)
+    perturbed = perturb_routers(ckpt, tmp_path / "perturbed", scale=0.5, seed=2)
+    cache = tmp_path / "hf" / "hub"
+    add_snapshot(cache, "acme/Tiny-MoE", ckpt, "a" * 40, "main")
+    add_snapshot(cache, "acme/Tiny-MoE", perturbed, "b" * 40, "v2")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setitem(ENV, "HF_HOME", str(tmp_path / "hf"))
+    trace = record(tmp_path, "acme/Tiny-MoE")
+    same = replay(trace, "acme/Tiny-MoE", tmp_path / "main.h5", "--revision", "main")
+    other = replay(trace, "acme/Tiny-MoE", tmp_path / "v2.h5", "--revision", "v2")
+    assert same["identical"] and other["tokens_with_difference"] > 0
+    assert other["replay"]["model"] == "acme/Tiny-MoE@v2"
+    with open_trace(tmp_path / "v2.h5") as b:
+        assert b.metadata["engine_settings"]["model_commit"] == "b" * 40
+    proc = moetrace("replay", trace, str(ckpt), "-o", str(tmp_path / "x.h5"), "--revision", "v2")
+    assert proc.returncode == 1 and "is a directory, not a model id" in proc.stderr

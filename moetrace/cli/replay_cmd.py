@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only when a replay runs
 def replay_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace to replay."),
     model: str = opts.MODEL,
+    revision: str | None = opts.REVISION,
     output: Path = typer.Option(..., "-o", "--output", help="Trace file to write (HDF5)."),
     force_routing: bool = typer.Option(
         False,
@@ -60,7 +61,7 @@ def replay_command(
 
     Each recorded prompt + output runs as one prefill (batched, prefix-cache
     aware, nothing sampled) under the settings given: another --dtype,
-    --device, --tensor-parallel-size or checkpoint, or the same.  OUTPUT holds
+    --device, --tensor-parallel-size, checkpoint or --revision, or the same.  OUTPUT holds
     the same requests with MODEL's routing and the log-probability of every
     recorded output token.  The report gives R3's figures against TRACE:
     token and router mismatch, per layer, Jaccard, and (when TRACE has
@@ -71,8 +72,10 @@ def replay_command(
     """
     from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
     from moetrace.replay import Replay
+    from moetrace.run_setup import model_with_revision
     from moetrace.signals import GracefulStop
 
+    model = model_with_revision(model, revision)
     parallel = parallel_or_worker(
         model,
         tensor_parallel_size=tensor_parallel_size,
