@@ -26,12 +26,14 @@ def test_weights_from_graph_replay_equal_eager_and_leave_the_rest_unchanged(weig
     model = gpu_model(torch.bfloat16)
     prompts, max_tokens = mixed_workload(seed=31, count=24)
     engine = dict(max_num_seqs=8, max_num_batched_tokens=64)
-    eager, _, _ = run_counting(
+    eager, eager_kinds, _ = run_counting(
         model, prompts, max_tokens, enforce_eager=True, capture_weights=weights, **engine
     )
     graph, kinds, _ = run_counting(model, prompts, max_tokens, capture_weights=weights, **engine)
     bare, _, _ = run_counting(model, prompts, max_tokens, **engine)
+    # The same kernels both times: replayed from the graphs here, launched one by one there.
     assert kinds.get("mixed/graph", 0) >= 5 and kinds.get("decode/graph", 0) >= 5, kinds
+    assert not any(kind.endswith("/graph") for kind in eager_kinds), eager_kinds
     for rid in prompts:
         a, b, c = eager[rid], graph[rid], bare[rid]
         np.testing.assert_array_equal(a.routed_weights, b.routed_weights, err_msg=rid)
