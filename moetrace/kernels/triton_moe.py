@@ -585,11 +585,14 @@ def fused_moe(
     capture: torch.Tensor | None = None,
     extras: ExpertExtras | None = None,
     capture_weights: torch.Tensor | None = None,
+    aligned: AlignedRouting | None = None,
+    weights_f32: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output ``[T, H]`` through two Triton grouped GEMMs (see module doc).
 
     ``capture`` (``capture_weights``): a ``[T, k]`` view of the routing capture
-    buffer the ids (the weights) are also written to.
+    buffer the ids (the weights) are also written to.  ``aligned``/``weights_f32``:
+    see ``fused_moe_with_config``.
     """
     num_tokens, top_k = topk_ids.shape
     mxfp4 = extras is not None and extras.w13_scale is not None
@@ -605,6 +608,8 @@ def fused_moe(
         capture=capture,
         capture_weights=capture_weights,
         extras=extras,
+        aligned=aligned,
+        weights_f32=weights_f32,
     )
 
 
@@ -630,12 +635,17 @@ def fused_moe_with_config(
     extras: ExpertExtras | None = None,
     mxfp4_native: bool | None = None,
     capture_weights: torch.Tensor | None = None,
+    aligned: AlignedRouting | None = None,
+    weights_f32: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with an explicit tile config (benchmarks sweep these).
 
     ``mxfp4_native`` picks how MXFP4 weights are decoded: ``tl.dot_scaled``
     (where it compiles) or the kernel's own bit arithmetic (``False``); by
-    default the config's choice.
+    default the config's choice.  ``aligned`` and ``weights_f32``: the pairs
+    already grouped for ``cfg.block_m`` and the weights in float32, as the
+    fused routing kernels hand them over (``kernels/triton_routing.py``);
+    the alignment and the weights' cast are then skipped.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; have {ACTIVATIONS}")
@@ -668,7 +678,7 @@ def fused_moe_with_config(
             return fused_moe_with_config(
                 hidden, w13, w2, topk_weights, topk_ids, cfg, activation,
                 capture=capture, capture_weights=capture_weights, extras=extras,
-                mxfp4_native=True,
+                mxfp4_native=True, aligned=aligned, weights_f32=weights_f32,
             )  # fmt: skip
         except Exception as exc:  # a compile failure: Triton raises several types
             if torch.cuda.is_current_stream_capturing():
@@ -682,19 +692,30 @@ def fused_moe_with_config(
     native = bool(mxfp4 and mxfp4_native)
     a_format = "bf16" if hidden.dtype == torch.bfloat16 else "fp16"
 
-    routing = align_routing(
-        topk_ids,
-        num_experts,
-        cfg.block_m,
-        capture,
-        topk_weights=topk_weights,
-        capture_weights=capture_weights,
-    )
+    if aligned is None:
+        routing = align_routing(
+            topk_ids,
+            num_experts,
+            cfg.block_m,
+            capture,
+            topk_weights=topk_weights,
+            capture_weights=capture_weights,
+        )
+        weights = topk_weights.reshape(-1).to(torch.float32)
+    else:
+        if aligned.block_m != cfg.block_m or weights_f32 is None:
+            raise ValueError(
+                f"routing aligned for {aligned.block_m}-row blocks (float32 weights "
+                f"{'missing' if weights_f32 is None else 'given'}); the tiles take {cfg.block_m}"
+            )
+        if capture is not None or capture_weights is not None:
+            raise ValueError("prepared routing was captured by the router's kernel already")
+        routing = aligned
+        weights = weights_f32.reshape(-1)
     rows = routing.sorted_pair_ids.shape[0]
     num_m_blocks = rows // cfg.block_m
     h = hidden.new_empty((rows, inter))
     y = hidden.new_empty((num_pairs, hidden_size))
-    weights = topk_weights.reshape(-1).to(torch.float32)
 
     grid1 = (num_m_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid1](
@@ -861,8 +882,13 @@ def moe_forward(
     capture: torch.Tensor | None = None,
     extras: ExpertExtras | None = None,
     capture_weights: torch.Tensor | None = None,
+    aligned: AlignedRouting | None = None,
+    weights_f32: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output with the faster measured implementation for this T.
+
+    ``aligned``/``weights_f32`` (from ``kernels/triton_routing.py``) go to the
+    Triton kernels; a caller passes them only where ``uses_grouped_mm`` is false.
 
     ``capture`` (a ``[T, k]`` view of the routing capture buffer) receives the
     ids, ``capture_weights`` (likewise) the weights.
@@ -880,10 +906,7 @@ def moe_forward(
     serves no range today; the table above is where to re-measure on new
     hardware or torch versions.
     """
-    num_tokens = hidden.shape[0]
-    use_grouped = any(lo <= num_tokens < hi for lo, hi in _GROUPED_MM_TOKEN_RANGES)
-    use_grouped = use_grouped and extras is None  # grouped_mm has no biases or MXFP4
-    if use_grouped and hidden.dtype == torch.bfloat16 and grouped_mm_available():
+    if aligned is None and uses_grouped_mm(hidden.shape[0], hidden.dtype, extras):
         if capture is not None:
             capture.copy_(topk_ids)
         if capture_weights is not None:
@@ -899,4 +922,13 @@ def moe_forward(
         capture=capture,
         extras=extras,
         capture_weights=capture_weights,
+        aligned=aligned,
+        weights_f32=weights_f32,
     )
+
+
+def uses_grouped_mm(num_tokens: int, dtype: torch.dtype, extras: ExpertExtras | None) -> bool:
+    """Whether ``moe_forward`` serves ``num_tokens`` rows through ``grouped_mm``."""
+    in_range = any(lo <= num_tokens < hi for lo, hi in _GROUPED_MM_TOKEN_RANGES)
+    # grouped_mm has no biases or MXFP4
+    return in_range and extras is None and dtype == torch.bfloat16 and grouped_mm_available()

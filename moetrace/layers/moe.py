@@ -10,6 +10,7 @@ for the ids the selection itself picks, it gives the selection's weights.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -124,6 +125,33 @@ def sigmoid_weights(
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
+# Steps of up to this many tokens route through the fused Triton kernels where a
+# layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``);
+# larger ones (prefill) through the torch ops.  Decided by the step's size, so a
+# captured graph always holds one path.  ``MOETRACE_FUSED_ROUTING=0`` turns it off.
+FUSED_ROUTING_MAX_TOKENS = 0 if os.environ.get("MOETRACE_FUSED_ROUTING") == "0" else 1024
+
+
+class RoutingRule(NamedTuple):
+    """A family's selection rule in the terms of the fused routing kernel.
+
+    ``scoring``: ``"softmax_topk"`` (``softmax_topk``) or ``"topk_softmax"``
+    (``topk_softmax``).  Families whose rule the kernel lacks (grouped top-k,
+    the sparsemixer) have none and always route through torch.
+    """
+
+    scoring: str
+    renormalize: bool = False
+
+
+class _PreparedRouting(NamedTuple):
+    """Routing the fused kernels prepared for this layer's next experts' call."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    weights_f32: torch.Tensor
+    aligned: object  # kernels.triton_moe.AlignedRouting (Triton is imported only where it runs)
+
 
 class _PendingCapture(NamedTuple):
     """What a layer's router recorded for the fused kernel to write during the experts' call."""
@@ -217,6 +245,54 @@ class MoEExperts(nn.Module):
         self.kernel_capable = activation in KERNEL_ACTIVATIONS
         self.use_triton = False
         self._capture: _PendingCapture | None = None
+        self._prepared: _PreparedRouting | None = None
+
+    def can_route_fused(self, num_tokens: int) -> bool:
+        """Whether the fused routing kernels may prepare this call (CUDA kernels only).
+
+        Not with hooks on the experts (tensor and expert parallel rewrite the
+        ids there), nor for a size ``moe_forward`` gives to ``grouped_mm``.
+        """
+        if not self.use_triton or num_tokens > FUSED_ROUTING_MAX_TOKENS or self.mxfp4:
+            return False
+        if self._forward_pre_hooks or self._forward_hooks or self.b13 is not None:
+            return False
+        from moetrace.kernels.triton_moe import uses_grouped_mm
+
+        return not uses_grouped_mm(num_tokens, self.w13.dtype, self._kernel_extras())
+
+    def route_fused(
+        self,
+        logits: torch.Tensor,
+        rule: RoutingRule,
+        top_k: int,
+        weights_dtype: torch.dtype,
+        *,
+        scaling: float | None = None,
+        capture: torch.Tensor | None = None,
+        capture_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, int32 ids) by ``rule`` in two launches, the pairs grouped for this
+        call's tiles; ``capture``/``capture_weights`` receive ids and weights."""
+        if self._prepared is not None or self._capture is not None:
+            raise RuntimeError("routing: a layer's ids never reached its experts")
+        from moetrace.kernels.triton_moe import moe_config
+        from moetrace.kernels.triton_routing import route_and_align
+
+        cfg = moe_config(logits.shape[0], top_k, self.num_experts)
+        fused = route_and_align(
+            logits,
+            top_k,
+            rule.scoring,
+            cfg.block_m,
+            renormalize=rule.renormalize,
+            scaling=scaling,
+            weights_dtype=weights_dtype,
+            capture=capture,
+            capture_weights=capture_weights,
+        )
+        self._prepared = _PreparedRouting(*fused)
+        return fused.weights, fused.ids
 
     def capture_with(
         self,
@@ -246,6 +322,22 @@ class MoEExperts(nn.Module):
         return pending.destination, pending.weights_destination
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            if prepared.ids is not ids or prepared.weights is not weights:
+                raise RuntimeError("routing: the experts got other ids or weights than prepared")
+            from moetrace.kernels.triton_moe import moe_forward
+
+            return moe_forward(
+                x,
+                self.w13,
+                self.w2,
+                weights,
+                ids,
+                activation=self.activation,
+                aligned=prepared.aligned,
+                weights_f32=prepared.weights_f32,
+            )
         capture, capture_weights = self._take_capture(ids, weights)
         if self.use_triton:
             from moetrace.kernels.triton_moe import moe_forward

@@ -16,6 +16,7 @@ from torch import nn
 from moetrace.capture.capturer import RoutingCapturer
 from moetrace.layers.attention import PagedAttention
 from moetrace.layers.forced_routing import ForcedRouting
+from moetrace.layers.moe import RoutingRule
 
 
 class MoEBlockBase(nn.Module):
@@ -28,6 +29,9 @@ class MoEBlockBase(nn.Module):
     moe_index: int = -1
     capturer: RoutingCapturer | None = None
     forced_routing: ForcedRouting | None = None
+    # ``select`` in the fused routing kernel's terms; None: the family routes through torch.
+    routing_rule: RoutingRule | None = None
+    top_k: int
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, ids) the family's router picks from its logits, ids in router order."""
@@ -45,6 +49,48 @@ class MoEBlockBase(nn.Module):
             weights, ids = forced.apply(
                 self.moe_index, weights, ids, lambda given: self.weights_for(logits, given)
             )
+        return weights, ids
+
+    def route_and_record(
+        self,
+        logits: torch.Tensor,
+        weights_dtype: torch.dtype,
+        *,
+        upcast: bool = False,
+        scaling: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) for the experts, recorded: ``route`` (on float32 logits with
+        ``upcast``), times ``scaling`` in float32, cast to ``weights_dtype``.
+
+        On CUDA, for decode-sized steps, the fused routing kernels compute the
+        same rule (``routing_rule``) and write the capture themselves; forced
+        steps and families without a rule take the torch ops.
+        """
+        experts = getattr(self, "experts", None)
+        forced = self.forced_routing is not None and self.forced_routing.active
+        rule = self.routing_rule
+        if rule is not None and not forced and experts.can_route_fused(logits.shape[0]):
+            capturer, n = self.capturer, logits.shape[0]
+            in_kernel = capturer is not None and capturer.in_kernel
+            weights, ids = experts.route_fused(
+                logits,
+                rule,
+                self.top_k,
+                weights_dtype,
+                scaling=scaling,
+                capture=capturer.destination(self.moe_index, n) if in_kernel else None,
+                capture_weights=(
+                    capturer.weights_destination(self.moe_index, n) if in_kernel else None
+                ),
+            )
+            if capturer is not None and not in_kernel:
+                capturer.record(self.moe_index, ids, weights)
+            return weights, ids
+        weights, ids = self.route(logits.float() if upcast else logits)
+        if scaling is not None:
+            weights = weights * scaling
+        weights = weights.to(weights_dtype)
+        self.record(ids, weights)
         return weights, ids
 
     def record(self, ids: torch.Tensor, weights: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from moetrace.errors import ModelError
 from moetrace.layers.attention import PagedAttention
-from moetrace.layers.moe import MoEExperts, softmax_topk, softmax_weights
+from moetrace.layers.moe import MoEExperts, RoutingRule, softmax_topk, softmax_weights
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding
 from moetrace.models.base import MoEBlockBase, MoEForCausalLM
@@ -81,6 +81,7 @@ class SoftmaxTopKMoEBlock(MoEBlockBase):
         self.logits_in_float32 = logits_in_float32
         self.gate = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, intermediate)
+        self.routing_rule = RoutingRule("softmax_topk", renormalize)
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(logits, self.top_k, renormalize=self.renormalize)
@@ -90,11 +91,7 @@ class SoftmaxTopKMoEBlock(MoEBlockBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate)
-        if self.logits_in_float32:
-            logits = logits.float()
-        weights, ids = self.route(logits)
-        weights = weights.to(x.dtype)
-        self.record(ids, weights)
+        weights, ids = self.route_and_record(logits, x.dtype, upcast=self.logits_in_float32)
         return self.experts(x, weights, ids)
 
 

@@ -29,6 +29,7 @@ from moetrace.layers.mla import MLADims, MultiHeadLatentAttention, Rope, mla_sof
 from moetrace.layers.moe import (
     ACTIVATIONS,
     MoEExperts,
+    RoutingRule,
     group_limited_softmax_topk,
     sigmoid_group_topk,
     sigmoid_weights,
@@ -118,6 +119,8 @@ class DeepseekMoE(MoEBlockBase):
         if version == 3:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32))
         self.experts = MoEExperts(experts, hidden, inter, act)
+        if version == 2 and self.topk_method == "greedy":
+            self.routing_rule = RoutingRule("softmax_topk")
         shared = int(_setting(config, version, "n_shared_experts") or 0)
         bias = bool(config.get("mlp_bias", False)) and version == 2
         self.shared_experts = GatedMLP(hidden, inter * shared, act, bias=bias) if shared else None
@@ -148,9 +151,7 @@ class DeepseekMoE(MoEBlockBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.to(torch.float32), self.gate)
-        weights, ids = self.route(logits)
-        weights = weights * self.scaling
-        self.record(ids, weights)
+        weights, ids = self.route_and_record(logits, torch.float32, scaling=self.scaling)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.moe import MoEExperts, topk_softmax, topk_softmax_weights
+from moetrace.layers.moe import MoEExperts, RoutingRule, topk_softmax, topk_softmax_weights
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
 from moetrace.models.base import MoEBlockBase
@@ -48,6 +48,7 @@ class GraniteMoeBlock(MoEBlockBase):
         self.top_k = config["num_experts_per_tok"]
         self.router = nn.Parameter(torch.empty(num_experts, hidden))
         self.experts = MoEExperts(num_experts, hidden, config["intermediate_size"])
+        self.routing_rule = RoutingRule("topk_softmax")
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return topk_softmax(logits, self.top_k)
@@ -57,9 +58,7 @@ class GraniteMoeBlock(MoEBlockBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The reference takes the logits to float32 before top-k and softmax.
-        weights, ids = self.route(F.linear(x, self.router).float())
-        weights = weights.to(x.dtype)
-        self.record(ids, weights)
+        weights, ids = self.route_and_record(F.linear(x, self.router), x.dtype, upcast=True)
         return self.experts(x, weights, ids)
 
 

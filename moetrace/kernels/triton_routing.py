@@ -1,0 +1,387 @@
+"""The MoE routing path in two Triton launches: scoring + top-k + weights + capture, then alignment.
+
+On the torch path a decode step's MoE layer runs, between the router GEMM and
+the first expert GEMM: the logits' cast to float32, the softmax, ``topk``
+(its selection and its sort), the renormalisation's sum and division, the
+weights' cast to the model dtype, the alignment's two kernels and the
+weights' cast back to float32 for the GEMM: 8 to 10 launches of 2-11 us each
+at batch 256.  Here ``_route_kernel`` (one program per few rows) does the
+scoring, the top-k, the weights, their casts and the capture writes, and
+``_align_small_kernel`` (one program) groups the pairs by expert for the
+fused-MoE GEMMs: two launches.
+
+Ids are chosen on the router *logits*, largest first, the lower index first
+on equal logits.  Softmax is monotone, so this is ``topk(softmax(logits))``
+wherever the reference's float32 probabilities are not tied; where two
+distinct logits round to one probability the reference breaks the tie by
+index and this by logit (the reference's own result is then an artefact of
+rounding).  Weights follow the family's float32 rule with libdevice's
+``exp`` (the CUDA math library's ``expf``, which torch's softmax calls) and
+an IEEE division; only the order of the softmax's sum differs from torch's,
+so weights agree to a few units in the last place (``tests/test_triton_routing.py``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from moetrace.kernels.triton_moe import AlignedRouting, align_routing, padded_rows_bound
+from moetrace.kernels.triton_rounding import round_to
+
+# Scoring rules the kernel computes (the families' rules in ``layers/moe.py``).
+SOFTMAX_TOPK = 0  # softmax over every expert, top-k, optional renormalisation
+TOPK_SOFTMAX = 1  # top-k on the logits, softmax over the k
+SCORINGS = {"softmax_topk": SOFTMAX_TOPK, "topk_softmax": TOPK_SOFTMAX}
+
+# Pairs (tokens x top-k) up to which one program aligns them (plan and scatter
+# in one launch); beyond, the two-kernel ``align_routing`` spreads the scatter.
+SMALL_ALIGN_MAX_PAIRS = 4096
+
+
+class FusedRouting(NamedTuple):
+    """What the experts need from the router: ids, weights, and the pairs grouped by expert."""
+
+    weights: torch.Tensor  # [T, k] in the family's weight dtype (what the trace records)
+    ids: torch.Tensor  # int32 [T, k], router order
+    weights_f32: torch.Tensor  # float32 [T, k]: ``weights`` widened, what the GEMM multiplies by
+    aligned: AlignedRouting
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """libdevice's ``expf`` (torch's on CUDA); numpy's in the interpreter, which lacks libdevice."""
+    if LIBDEVICE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _narrow(w, dtype: tl.constexpr):
+    """``w``, already rounded to ``dtype``'s values, in ``dtype`` (bfloat16 by its top half:
+    the interpreter's cast mangles subnormals)."""
+    if dtype == tl.bfloat16:
+        out = (w.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = w.to(dtype)
+    return out
+
+
+@triton.jit
+def _warp_order_sum(e, ROWS: tl.constexpr, N: tl.constexpr, WARP: tl.constexpr):
+    """Row sums of ``e [ROWS, N]`` added in the order of torch's CUDA softmax for ``N <= 1024``.
+
+    There (``softmax_warp_forward``) lane ``l`` of a ``WARP``-wide group adds
+    elements ``l, l + WARP, l + 2 WARP, ...`` in turn, then the lanes combine
+    by XOR shuffles, halves first.  The same additions in the same order give
+    the same float32 sum, so the probabilities match torch's bit for bit.
+    """
+    ITER: tl.constexpr = N // WARP
+    e3 = tl.reshape(e, (ROWS, ITER, WARP))
+    step = tl.arange(0, ITER)[None, :, None]
+    lanes = tl.zeros([ROWS, WARP], dtype=tl.float32)
+    for it in tl.static_range(ITER):
+        lanes += tl.sum(tl.where(step == it, e3, 0.0), axis=1)  # one element, exactly
+    # Lane l takes l ^ offset for offset = WARP/2, ..., 1; lanes < offset hold what is still needed.
+    if WARP >= 32:
+        lanes = tl.sum(tl.reshape(lanes, (ROWS, 2, 16)), axis=1)
+    if WARP >= 16:
+        lanes = tl.sum(tl.reshape(lanes, (ROWS, 2, 8)), axis=1)
+    if WARP >= 8:
+        lanes = tl.sum(tl.reshape(lanes, (ROWS, 2, 4)), axis=1)
+    if WARP >= 4:
+        lanes = tl.sum(tl.reshape(lanes, (ROWS, 2, 2)), axis=1)
+    if WARP >= 2:
+        lanes = tl.sum(tl.reshape(lanes, (ROWS, 2, 1)), axis=1)
+    return tl.reshape(lanes, (ROWS,))
+
+
+@triton.jit(
+    do_not_specialize=["num_tokens", "stride_logits", "stride_capture", "stride_capture_weights"]
+)
+def _route_kernel(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    weights_f32_ptr,
+    capture_ptr,
+    capture_weights_ptr,
+    num_tokens,
+    num_experts,
+    stride_logits,
+    stride_capture,
+    stride_capture_weights,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCORING: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+    CAPTURE: tl.constexpr,
+    CAPTURE_WEIGHTS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    WARP: tl.constexpr,
+    K_WARP: tl.constexpr,
+):
+    """``ROWS`` tokens: pick ``TOP_K`` experts, weigh them, write ids, weights and captures."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_tokens
+    cols = tl.arange(0, EXPERTS_P2)
+    col_ok = cols < num_experts
+    # Rows past the end re-read the last row (never stored): no -inf rows, no NaNs.
+    src = tl.minimum(rows, num_tokens - 1).to(tl.int64)
+    x = tl.load(
+        logits_ptr + src[:, None] * stride_logits + cols[None, :],
+        mask=col_ok[None, :],
+        other=float("-inf"),
+    )
+    x = x.to(tl.float32)
+
+    # Top-k by repeated arg-max: the largest logit, the lowest index among equals.
+    # ``taken`` (not -inf) marks picks, so -inf or NaN logits still give k distinct ids.
+    slots = tl.arange(0, K_P2)
+    ids = tl.zeros([ROWS, K_P2], dtype=tl.int32)
+    values = tl.full([ROWS, K_P2], float("-inf"), dtype=tl.float32)
+    free = (cols < num_experts)[None, :] & (rows >= 0)[:, None]
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.where(free, x, float("-inf")), axis=1)
+        hit = free & (x == best[:, None])
+        pick = tl.min(tl.where(hit, cols[None, :], EXPERTS_P2), axis=1)
+        first_free = tl.min(tl.where(free, cols[None, :], EXPERTS_P2), axis=1)
+        pick = tl.where(pick < EXPERTS_P2, pick, first_free)
+        free = free & (cols[None, :] != pick[:, None])
+        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
+        values = tl.where(slots[None, :] == j, best[:, None], values)
+
+    in_k = (slots < TOP_K)[None, :]
+    if SCORING == 0:
+        # Softmax over every expert, then the picks' shares.
+        top = tl.max(x, axis=1)
+        e = tl.where(col_ok[None, :], _exp(x - top[:, None], LIBDEVICE), 0.0)
+        total = _warp_order_sum(e, ROWS, EXPERTS_P2, WARP)
+        w = tl.math.div_rn(_exp(values - top[:, None], LIBDEVICE), total[:, None])
+    else:
+        # Softmax over the k picked logits (values[:, 0] is their largest).
+        e = tl.where(in_k, _exp(values - tl.max(values, axis=1)[:, None], LIBDEVICE), 0.0)
+        w = tl.math.div_rn(e, _warp_order_sum(e, ROWS, K_P2, K_WARP)[:, None])
+    w = tl.where(in_k, w, 0.0)
+    if RENORMALIZE:
+        w = tl.math.div_rn(w, tl.sum(w, axis=1)[:, None])
+    if SCALE:
+        w = w * scaling
+    # Rounded on the bits (the interpreter's cast to bfloat16 truncates), kept in float32.
+    w = round_to(w, weights_ptr.dtype.element_ty)
+
+    ok = row_ok[:, None] & in_k
+    pair = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    tl.store(ids_ptr + pair, ids, mask=ok)
+    tl.store(weights_ptr + pair, _narrow(w, weights_ptr.dtype.element_ty), mask=ok)
+    tl.store(weights_f32_ptr + pair, w, mask=ok)
+    if CAPTURE:
+        dst = capture_ptr + rows.to(tl.int64)[:, None] * stride_capture + slots[None, :]
+        tl.store(dst, ids.to(capture_ptr.dtype.element_ty), mask=ok)
+    if CAPTURE_WEIGHTS:
+        dst = (
+            capture_weights_ptr
+            + rows.to(tl.int64)[:, None] * stride_capture_weights
+            + slots[None, :]
+        )
+        tl.store(dst, w.to(capture_weights_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "num_rows"])
+def _align_small_kernel(
+    ids_ptr,
+    cursor_ptr,
+    block_expert_ids_ptr,
+    num_rows_padded_ptr,
+    sorted_pair_ids_ptr,
+    num_pairs,
+    num_experts,
+    num_blocks,
+    num_rows,
+    BLOCK_M: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """``align_routing``'s plan and scatter in one program (few pairs: decode).
+
+    Counts pairs per expert, lays out the padded groups, labels row blocks,
+    fills every row with the padding marker, then (after a barrier, so the
+    cursors and the fill are visible) gives each pair the next row of its
+    expert's group.
+    """
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        idx = start + offs
+        ok = idx < num_pairs
+        e = tl.load(ids_ptr + idx, mask=ok, other=0)
+        counts += tl.histogram(e, EXPERTS_P2, mask=ok)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    experts = tl.arange(0, EXPERTS_P2)
+    tl.store(cursor_ptr + experts, ends - padded, mask=experts < num_experts)
+    tl.store(num_rows_padded_ptr, tl.sum(padded, 0))
+    offs_b = tl.arange(0, BLOCK_B)
+    for start in range(0, num_blocks, BLOCK_B):
+        blk = start + offs_b
+        owner = tl.sum((ends[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), 1)
+        owner = tl.minimum(owner, num_experts)
+        tl.store(block_expert_ids_ptr + blk, owner, mask=blk < num_blocks)
+    for start in range(0, num_rows, CHUNK):
+        idx = start + offs
+        tl.store(
+            sorted_pair_ids_ptr + idx, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=idx < num_rows
+        )
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        idx = start + offs
+        ok = idx < num_pairs
+        e = tl.load(ids_ptr + idx, mask=ok, other=0)
+        row = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=ok)
+        tl.store(sorted_pair_ids_ptr + row, idx.to(tl.int32), mask=ok)
+
+
+def align_small(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
+    """``align_routing``'s layout (without capture) in one launch; int32 ``ids`` ``[T, k]``."""
+    num_pairs = ids.numel()
+    rows = padded_rows_bound(num_pairs, num_experts, block_m)
+    num_blocks = rows // block_m
+    experts_p2 = triton.next_power_of_2(num_experts)
+    work = torch.empty(rows + num_blocks + experts_p2 + 1, dtype=torch.int32, device=ids.device)
+    sorted_pair_ids = work[:rows]
+    block_expert_ids = work[rows : rows + num_blocks]
+    cursor = work[rows + num_blocks : rows + num_blocks + experts_p2]
+    num_rows_padded = work[-1:]
+    _align_small_kernel[(1,)](
+        ids,
+        cursor,
+        block_expert_ids,
+        num_rows_padded,
+        sorted_pair_ids,
+        num_pairs,
+        num_experts,
+        num_blocks,
+        rows,
+        BLOCK_M=block_m,
+        EXPERTS_P2=experts_p2,
+        CHUNK=512,
+        BLOCK_B=max(16, 8192 // experts_p2),
+        num_warps=8,
+    )
+    return AlignedRouting(sorted_pair_ids, block_expert_ids, num_rows_padded, block_m)
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    *,
+    renormalize: bool = False,
+    scaling: float | None = None,
+    weights_dtype: torch.dtype = torch.float32,
+    capture: torch.Tensor | None = None,
+    capture_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights in ``weights_dtype``, int32 ids, float32 weights) of ``[T, E]`` router logits.
+
+    ``scoring``: ``"softmax_topk"`` (softmax over all experts, top-k, then
+    ``renormalize`` over the k) or ``"topk_softmax"`` (softmax over the k
+    largest logits).  ``scaling`` multiplies the float32 weights before the
+    cast (DeepSeek's ``routed_scaling_factor``).  ``capture``/``capture_weights``,
+    ``[T, k]`` views with unit column stride, receive the ids and the weights
+    (from ``weights_dtype``), as the capturer's copy would write them.
+    """
+    if scoring not in SCORINGS:
+        raise ValueError(f"unknown scoring {scoring!r}; have {sorted(SCORINGS)}")
+    num_tokens, num_experts = logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} does not fit {num_experts} experts")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    shape = (num_tokens, top_k)
+    for view, what in ((capture, "capture"), (capture_weights, "weights capture")):
+        if view is not None and (tuple(view.shape) != shape or view.stride(1) != 1):
+            raise ValueError(f"{what} view {tuple(view.shape)} does not fit ids {shape}")
+    device = logits.device
+    ids = torch.empty(shape, dtype=torch.int32, device=device)
+    weights = torch.empty(shape, dtype=weights_dtype, device=device)
+    weights_f32 = (
+        weights if weights_dtype == torch.float32 else torch.empty_like(ids, dtype=torch.float32)
+    )
+    if num_tokens == 0:
+        return weights, ids, weights_f32
+    experts_p2 = triton.next_power_of_2(num_experts)
+    rows = max(1, min(16, 2048 // experts_p2))
+    _route_kernel[(triton.cdiv(num_tokens, rows),)](
+        logits,
+        ids,
+        weights,
+        weights_f32,
+        ids if capture is None else capture,
+        weights if capture_weights is None else capture_weights,
+        num_tokens,
+        num_experts,
+        logits.stride(0),
+        0 if capture is None else capture.stride(0),
+        0 if capture_weights is None else capture_weights.stride(0),
+        1.0 if scaling is None else float(scaling),
+        TOP_K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        EXPERTS_P2=experts_p2,
+        ROWS=rows,
+        SCORING=SCORINGS[scoring],
+        RENORMALIZE=renormalize,
+        SCALE=scaling is not None,
+        CAPTURE=capture is not None,
+        CAPTURE_WEIGHTS=capture_weights is not None,
+        LIBDEVICE=logits.is_cuda,
+        WARP=min(experts_p2, 32),
+        K_WARP=min(triton.next_power_of_2(top_k), 32),
+        num_warps=4,
+    )
+    return weights, ids, weights_f32
+
+
+def route_and_align(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    block_m: int,
+    *,
+    renormalize: bool = False,
+    scaling: float | None = None,
+    weights_dtype: torch.dtype = torch.float32,
+    capture: torch.Tensor | None = None,
+    capture_weights: torch.Tensor | None = None,
+) -> FusedRouting:
+    """``route``, then the pairs grouped by expert in ``block_m``-row groups for the GEMMs.
+
+    Two launches where ``T * top_k <= SMALL_ALIGN_MAX_PAIRS``, three beyond.
+    """
+    weights, ids, weights_f32 = route(
+        logits,
+        top_k,
+        scoring,
+        renormalize=renormalize,
+        scaling=scaling,
+        weights_dtype=weights_dtype,
+        capture=capture,
+        capture_weights=capture_weights,
+    )
+    num_experts = logits.shape[1]
+    if ids.numel() <= SMALL_ALIGN_MAX_PAIRS:
+        aligned = align_small(ids, num_experts, block_m)
+    else:
+        aligned = align_routing(ids, num_experts, block_m)
+    return FusedRouting(weights, ids, weights_f32, aligned)

@@ -1,0 +1,118 @@
+"""Router logits with ties and near-ties, and the checks the fused routing kernels must pass.
+
+Shared by the CPU (``TRITON_INTERPRET=1``) and the CUDA tests of
+``kernels/triton_routing.py``.  The references are torch's own ops: the
+families' selection functions in ``layers/moe.py`` (the current path) and a
+stable sort (the tie rule, lower index first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrace.layers.moe import softmax_topk, softmax_weights, topk_softmax, topk_softmax_weights
+
+# (scoring, renormalize, scaling, weights dtype): the families' variants.
+VARIANTS = {
+    "olmoe/qwen": ("softmax_topk", False, None, torch.bfloat16),
+    "mixtral/qwen3-norm": ("softmax_topk", True, None, torch.bfloat16),
+    "deepseek-v2": ("softmax_topk", False, 2.5, torch.float32),
+    "granite": ("topk_softmax", False, None, torch.bfloat16),
+}
+
+
+def tricky_logits(num_tokens: int, num_experts: int, seed: int, *, bf16: bool) -> torch.Tensor:
+    """Float32 ``[T, E]`` logits: bf16-valued (ties abound) or float32, with planted ties
+    (a row's best value copied onto other experts), near-ties (the next float up),
+    one all-equal row and one row with a wide range (tiny probabilities)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    if bf16:
+        x = x.to(torch.bfloat16).float()
+    for t in range(num_tokens):
+        kind = t % 4
+        a, b, c = torch.randperm(num_experts, generator=gen)[:3].tolist()
+        if kind == 0:  # a tie at the top
+            x[t, a] = x[t, b] = x[t].max()
+        elif kind == 1:  # a tie somewhere in the middle
+            x[t, a] = x[t, c]
+        elif kind == 2:  # a near-tie: the next float above
+            x[t, a] = torch.nextafter(x[t, b], torch.tensor(float("inf")))
+    if num_tokens > 4:
+        x[4] = 0.5
+    if num_tokens > 5:
+        x[5] = torch.linspace(-60, 30, num_experts)[torch.randperm(num_experts, generator=gen)]
+    return x
+
+
+def reference(variant: str, logits: torch.Tensor, top_k: int):
+    """(scores the current path ranks by, its weights, its ids), float32."""
+    scoring, renormalize, _, _ = VARIANTS[variant]
+    if scoring == "softmax_topk":
+        scores = torch.softmax(logits, dim=-1)
+        weights, ids = softmax_topk(logits, top_k, renormalize=renormalize)
+    else:
+        scores = logits
+        weights, ids = topk_softmax(logits, top_k)
+    return scores, weights, ids
+
+
+def reference_weights(variant: str, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The current path's float32 weights for ``ids`` (scaled where the family scales)."""
+    scoring, renormalize, scaling, _ = VARIANTS[variant]
+    if scoring == "softmax_topk":
+        weights = softmax_weights(logits, ids, renormalize=renormalize)
+    else:
+        weights = topk_softmax_weights(logits, ids)
+    return weights if scaling is None else weights * scaling
+
+
+def unambiguous_rows(scores: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """bool [T]: rows whose ``top_k + 1`` best scores are all distinct, so that any
+    correct top-k (whatever its tie rule) picks the same ids in the same order."""
+    n = min(top_k + 1, scores.shape[1])
+    best = torch.sort(scores, dim=-1, descending=True).values[:, :n]
+    return (best[:, 1:] != best[:, :-1]).all(dim=1)
+
+
+def tie_rule_ids(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k by logit, the lower index first among equal logits (a stable sort)."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in float32 units in the last place (both non-negative)."""
+    return int((a.float().view(torch.int32) - b.float().view(torch.int32)).abs().max())
+
+
+def check_route(variant: str, logits: torch.Tensor, top_k: int, route, max_ulps: int) -> dict:
+    """Run ``route`` (the kernel entry point) and check it against the current path.
+
+    Returns counts for the caller's non-vacuity checks.
+    """
+    scoring, renormalize, scaling, wdtype = VARIANTS[variant]
+    ref_logits = logits.cpu()
+    weights, ids, weights_f32 = route(
+        logits, top_k, scoring, renormalize=renormalize, scaling=scaling, weights_dtype=wdtype
+    )
+    ids = ids.long()
+    scores, _, ref_ids = reference(variant, ref_logits, top_k)
+    # Every row: the documented rule (largest logit, lower index among equals).
+    assert torch.equal(ids, tie_rule_ids(ref_logits, top_k))
+    # Rows where the current path is unambiguous: exactly its ids, in its order.
+    clear = unambiguous_rows(scores, ref_logits, top_k)
+    assert torch.equal(ids[clear], ref_ids[clear])
+    # Weights: the family's rule for these ids, to max_ulps in float32, then the same cast.
+    want = reference_weights(variant, ref_logits, ids)
+    got32 = route(
+        logits,
+        top_k,
+        scoring,
+        renormalize=renormalize,
+        scaling=scaling,
+        weights_dtype=torch.float32,
+    )[0]
+    assert ulps(got32, want) <= max_ulps, ulps(got32, want)
+    assert torch.equal(weights, got32.to(wdtype))
+    assert torch.equal(weights_f32, weights.float())
+    return {"rows": len(ids), "clear": int(clear.sum()), "ulps": ulps(got32, want)}

@@ -1,0 +1,99 @@
+"""On CUDA: the fused routing kernels against torch's CUDA routing ops, and in a model.
+
+The CPU test (``test_triton_routing.py``) runs the kernels in the interpreter,
+whose ``exp`` is numpy's; here the kernel's libdevice ``exp`` and its
+torch-ordered softmax sum meet torch's own CUDA softmax, so the weights are
+held to 1 unit in the last place (2 after renormalisation, whose k-term sum
+order is torch's reduction's).  Ids: exactly torch's wherever its scores are
+untied, the documented tie rule everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from routing_cases import VARIANTS, check_route, tricky_logits, unambiguous_rows
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# OLMoE, Qwen3/Qwen2-57B, Mixtral, DeepSeek-V2-Lite, Qwen1.5-MoE, GraniteMoE-style shapes.
+SHAPES = [(64, 8), (128, 8), (8, 2), (64, 6), (60, 4), (40, 8)]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 512])
+@pytest.mark.parametrize(("num_experts", "top_k"), SHAPES)
+def test_fused_routing_matches_torchs_cuda_ops(variant, num_tokens, num_experts, top_k):
+    from moetrace.kernels.triton_routing import route
+
+    bf16 = VARIANTS[variant][3] != torch.float32
+    logits = tricky_logits(num_tokens, num_experts, num_tokens + num_experts, bf16=bf16).cuda()
+    max_ulps = 2 if VARIANTS[variant][1] else 1
+    check_route(variant, logits, top_k, route, max_ulps)
+
+
+def test_fused_routing_replays_in_a_cuda_graph():
+    from moetrace.kernels.triton_routing import route_and_align
+
+    logits = tricky_logits(256, 64, 1, bf16=True).cuda()
+    eager = route_and_align(logits, 8, "softmax_topk", 64, weights_dtype=torch.bfloat16)
+    static = logits.clone()
+    route_and_align(static, 8, "softmax_topk", 64, weights_dtype=torch.bfloat16)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = route_and_align(static, 8, "softmax_topk", 64, weights_dtype=torch.bfloat16)
+    static.copy_(logits.flip(0))
+    graph.replay()
+    again = route_and_align(logits.flip(0), 8, "softmax_topk", 64, weights_dtype=torch.bfloat16)
+    assert torch.equal(out.ids, again.ids)
+    assert torch.equal(out.weights, again.weights)
+    assert not torch.equal(out.ids, eager.ids)
+    assert int(out.aligned.num_rows_padded) == int(again.aligned.num_rows_padded)
+
+
+@pytest.mark.parametrize("num_tokens", [7, 256])
+def test_moe_block_fused_routing_equals_the_torch_path(num_tokens, monkeypatch):
+    """A bf16 softmax-top-k block, eager, kernels on: the fused path's captured ids and
+    weights and its output against the same block with fused routing turned off."""
+    from engine_helpers import tiny_model
+
+    from moetrace.capture.capturer import RoutingCapturer, capture_dtype
+    from moetrace.layers import moe
+
+    model = tiny_model(torch.bfloat16).cuda()
+    blocks = model.moe_blocks()
+    capturer = RoutingCapturer(
+        512, len(blocks), model.top_k, torch.device("cuda"), capture_dtype(model.num_experts),
+        torch.float32,
+    )  # fmt: skip
+    capturer.in_kernel = True
+    model.set_capturer(capturer)
+    for block in blocks:
+        block.experts.use_triton = True
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, blocks[0].gate.shape[1], generator=gen).cuda().bfloat16()
+
+    def run(max_tokens: int):
+        monkeypatch.setattr(moe, "FUSED_ROUTING_MAX_TOKENS", max_tokens)
+        capturer.buffer.zero_()
+        capturer.weights.zero_()
+        with torch.inference_mode():
+            outs = [block(x) for block in blocks]
+        return capturer.buffer.clone(), capturer.weights.clone(), outs
+
+    ids_t, w_t, out_t = run(0)
+    ids_f, w_f, out_f = run(1024)
+    for layer, block in enumerate(blocks):
+        # bf16 logits tie often; torch's CUDA order among equals is its own: compare clear rows.
+        logits = torch.nn.functional.linear(x, block.gate).float()
+        clear = unambiguous_rows(torch.softmax(logits, -1), logits, model.top_k)
+        assert clear.sum() > num_tokens // 2
+        assert torch.equal(ids_f[:num_tokens, layer][clear], ids_t[:num_tokens, layer][clear])
+        assert torch.equal(w_f[:num_tokens, layer][clear], w_t[:num_tokens, layer][clear])
+        if clear.all():
+            assert torch.equal(out_f[layer], out_t[layer])
+        else:
+            torch.testing.assert_close(out_f[layer][clear], out_t[layer][clear])

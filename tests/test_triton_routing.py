@@ -1,0 +1,146 @@
+"""The fused routing kernels against the torch routing path they replace on CUDA.
+
+Every scoring variant (softmax then top-k, renormalised or not, DeepSeek-V2's
+scaled float32 weights, GraniteMoE's top-k then softmax) on logits with planted
+ties and near-ties: ids are the current path's wherever its scores are not
+tied, and always the documented rule (largest logit, lower index first);
+weights are the family's float32 rule within a few units in the last place.
+Needs CUDA, or ``TRITON_INTERPRET=1`` (then numpy's ``exp`` stands in for
+libdevice's, hence ``MAX_ULPS`` here; the GPU test holds the kernel to 1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from routing_cases import VARIANTS, check_route, tricky_logits  # noqa: E402
+from triton_helpers import DEVICE, KERNEL_TEST_MARKS  # noqa: E402
+
+from moetrace.kernels.triton_moe import align_routing_torch  # noqa: E402
+from moetrace.kernels.triton_routing import align_small, route, route_and_align  # noqa: E402
+
+pytestmark = KERNEL_TEST_MARKS
+MAX_ULPS = 8  # numpy's float32 exp against torch's CPU exp (Sleef), through the renormalisation
+
+
+def test_torch_topk_on_cpu_does_not_put_the_lower_index_first():
+    """Why ties are compared by rule, not against ``torch.topk``: on CPU its order among
+    equal values is not by index (so the current path is ambiguous there)."""
+    x = torch.zeros(1, 128)
+    assert not torch.equal(torch.topk(x, 8).indices, torch.arange(8)[None])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("num_tokens", [1, 7, 256])
+@pytest.mark.parametrize("num_experts", [8, 60, 64, 128])
+def test_route_matches_the_torch_path(variant, num_tokens, num_experts):
+    bf16 = VARIANTS[variant][3] != torch.float32
+    logits = tricky_logits(num_tokens, num_experts, num_tokens * 1000 + num_experts, bf16=bf16)
+    clear = rows = 0
+    for top_k in (1, 2, 4, 6, 8):
+        if top_k > num_experts:
+            continue
+        seen = check_route(variant, logits.to(DEVICE), top_k, route, MAX_ULPS)
+        clear, rows = clear + seen["clear"], rows + seen["rows"]
+    if num_tokens == 256:
+        assert clear > rows // 2  # most rows are compared id for id
+
+
+def test_bf16_logits_are_read_as_their_float32_values():
+    logits = tricky_logits(64, 64, 3, bf16=True).to(DEVICE, torch.bfloat16)
+    a = route(logits, 8, "softmax_topk", weights_dtype=torch.bfloat16)
+    b = route(logits.float(), 8, "softmax_topk", weights_dtype=torch.bfloat16)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_ties_take_the_lower_index_first():
+    logits = torch.zeros(3, 64)
+    logits[1, [50, 3, 17, 40]] = 1.0  # four equal leaders, then 60 equal zeros
+    logits[2] = torch.arange(64).float() % 4  # sixteen experts each at 3, 2, 1, 0
+    _, ids, _ = route(logits.to(DEVICE), 6, "softmax_topk")
+    assert ids.cpu().tolist() == [
+        [0, 1, 2, 3, 4, 5],
+        [3, 17, 40, 50, 0, 1],
+        [3, 7, 11, 15, 19, 23],
+    ]
+
+
+def test_softmax_sum_follows_torchs_cuda_order():
+    """The kernel adds the exponentials as torch's CUDA warp softmax does (lane l sums
+    l, l+32, ..., then XOR halves): with the same exp, its weights are that sum's."""
+    num_experts, top_k = 128, 8
+    logits = tricky_logits(16, num_experts, 9, bf16=False)
+    w, ids, _ = route(logits.to(DEVICE), top_k, "softmax_topk")
+    x = logits.numpy()
+    e = np.exp(x - x.max(axis=1, keepdims=True)).astype(np.float32)
+    lanes = np.zeros((16, 32), np.float32)
+    for it in range(num_experts // 32):
+        lanes = lanes + e[:, it * 32 : (it + 1) * 32]
+    for width in (16, 8, 4, 2, 1):
+        lanes = lanes[:, :width] + lanes[:, width : 2 * width]
+    if DEVICE.type == "cpu":  # the interpreter's exp is numpy's: bit for bit
+        want = np.take_along_axis(e, ids.long().numpy(), 1) / lanes
+        assert np.array_equal(w.numpy(), want.astype(np.float32))
+
+
+def test_capture_views_receive_ids_and_weights_in_their_dtypes():
+    logits = tricky_logits(9, 60, 4, bf16=True).to(DEVICE)
+    ids_buf = torch.full((12, 3, 4), 77, dtype=torch.uint8, device=DEVICE)
+    w_buf = torch.full((12, 3, 4), 77, dtype=torch.float16, device=DEVICE)
+    w, ids, _ = route(
+        logits,
+        4,
+        "softmax_topk",
+        renormalize=True,
+        weights_dtype=torch.bfloat16,
+        capture=ids_buf[:9, 1],
+        capture_weights=w_buf[:9, 2],
+    )
+    assert torch.equal(ids_buf[:9, 1].long(), ids.long())
+    assert torch.equal(w_buf[:9, 2], w.to(torch.float16))  # bf16 first, as the capturer's copy
+    untouched = torch.ones_like(ids_buf, dtype=torch.bool)
+    untouched[:9, 1] = False
+    assert (ids_buf[untouched] == 77).all()
+    untouched = torch.ones_like(w_buf, dtype=torch.bool)
+    untouched[:9, 2] = False
+    assert (w_buf[untouched] == 77).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        route(logits, 4, "softmax_topk", capture=ids_buf[:8, 1])
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m"),
+    [(1, 8, 2, 16), (7, 60, 4, 32), (256, 64, 8, 64), (256, 128, 8, 32), (512, 64, 8, 64)],
+)
+def test_one_program_alignment_equals_the_torch_layout(num_tokens, num_experts, top_k, block_m):
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    # Skewed: some experts get nothing, some many.
+    probs = torch.rand(num_experts, generator=gen) ** 4
+    ids = torch.stack(
+        [torch.multinomial(probs, top_k, generator=gen) for _ in range(num_tokens)]
+    ).to(DEVICE, torch.int32)
+    got = align_small(ids, num_experts, block_m)
+    want = align_routing_torch(ids.long(), num_experts, block_m)
+    used = int(want.num_rows_padded.item())
+    assert int(got.num_rows_padded.item()) == used
+    assert torch.equal(got.block_expert_ids.cpu(), want.block_expert_ids.cpu())
+    # Within a block the order is the atomics' (results do not depend on it): compare sets.
+    g, w = got.sorted_pair_ids.cpu(), want.sorted_pair_ids.cpu()
+    for start in range(0, used, block_m):
+        assert sorted(g[start : start + block_m].tolist()) == sorted(
+            w[start : start + block_m].tolist()
+        )
+    assert (g[used:] == ids.numel()).all()
+
+
+def test_route_and_align_hands_the_experts_a_layout_for_their_tiles():
+    logits = tricky_logits(7, 64, 2, bf16=True).to(DEVICE)
+    fused = route_and_align(logits, 8, "softmax_topk", 32, weights_dtype=torch.bfloat16)
+    want = align_routing_torch(fused.ids.long(), 64, 32)
+    assert fused.aligned.block_m == 32
+    assert int(fused.aligned.num_rows_padded.item()) == int(want.num_rows_padded.item())
