@@ -128,8 +128,9 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # Steps of up to this many tokens route through the fused Triton kernels where a
 # layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``);
 # larger ones (prefill) through the torch ops.  Decided by the step's size, so a
-# captured graph always holds one path.  ``MOETRACE_FUSED_ROUTING=0`` turns it off.
-FUSED_ROUTING_MAX_TOKENS = 0 if os.environ.get("MOETRACE_FUSED_ROUTING") == "0" else 1024
+# captured graph always holds one path.  Off until verified on the H200
+# (``tests/test_gpu_routing.py``): ``MOETRACE_FUSED_ROUTING=1`` turns it on.
+FUSED_ROUTING_MAX_TOKENS = 1024 if os.environ.get("MOETRACE_FUSED_ROUTING") == "1" else 0
 
 
 class RoutingRule(NamedTuple):
