@@ -316,6 +316,12 @@ def main() -> None:
         default=None,
         help="build every config with this many layers (a model that does not fit one GPU)",
     )
+    parser.add_argument(
+        "--dense-experts",
+        action="store_true",
+        help="drop a config's quantization_config: experts in the model dtype, as a "
+        "dequantized checkpoint (e.g. gpt-oss in bf16) has them",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.hf = [x for x in args.hf.split(",") if x]
@@ -339,6 +345,8 @@ def main() -> None:
         config = json.loads((CONFIGS / f"{name}.json").read_text())
         if args.num_hidden_layers:
             config["num_hidden_layers"] = args.num_hidden_layers
+        if args.dense_experts:
+            config.pop("quantization_config", None)
         prompts, output_lens = workloads.prompts(args, config["vocab_size"])
         results: dict = {"workload": args.workload}
         bench_moetrace(name, config, prompts, output_lens, args, results)
