@@ -91,7 +91,7 @@ def check_route(variant: str, logits: torch.Tensor, top_k: int, route, max_ulps:
     Returns counts for the caller's non-vacuity checks.
     """
     scoring, renormalize, scaling, wdtype = VARIANTS[variant]
-    ref_logits = logits.cpu()
+    ref_logits = logits  # torch's ops on the same device: on CUDA, its CUDA kernels
     weights, ids, weights_f32 = route(
         logits, top_k, scoring, renormalize=renormalize, scaling=scaling, weights_dtype=wdtype
     )
