@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from serve_helpers import (
 )
 
 from moetrace import open_trace
+from moetrace.serving.server import SWITCH_INTERVAL_MS, switch_interval_s
 
 MAX_TOKENS = 12
 PROMPTS = {
@@ -405,6 +407,28 @@ def test_usage_errors_exit_2_and_bad_paths_exit_1(tmp_path):
     assert taken.stderr.strip().splitlines() == [
         f"error: {existing} already exists (pass --overwrite to replace it)"
     ]
+
+
+def test_a_bad_switch_interval_is_one_line_naming_the_variable():
+    for value in ("fast", "0", "-1"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "moetrace", "serve", "demo", "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "MOETRACE_SERVE_SWITCH_INTERVAL_MS": value},
+        )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("error: MOETRACE_SERVE_SWITCH_INTERVAL_MS must be"), line
+        assert repr(value) in line
+
+
+def test_switch_interval_defaults_and_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("MOETRACE_SERVE_SWITCH_INTERVAL_MS", raising=False)
+    assert switch_interval_s() == SWITCH_INTERVAL_MS / 1e3
+    monkeypatch.setenv("MOETRACE_SERVE_SWITCH_INTERVAL_MS", "0.05")
+    assert switch_interval_s() == 0.05 / 1e3
 
 
 # ------------------------------------------------------------- sampling features

@@ -59,7 +59,8 @@ def _completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[lis
     prompt = req.prompt
     if isinstance(prompt, str):
         return [ctx.encode(prompt, "prompt", req.add_special_tokens)]
-    if prompt and all(isinstance(p, int) for p in prompt):
+    # The model checked that the list is all ints, all strings or all lists: one look will do.
+    if isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
     out = []
     for i, item in enumerate(prompt):

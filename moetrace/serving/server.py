@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -44,6 +45,28 @@ from moetrace.signals import signal_name
 from moetrace.trace.writer import TraceWriter
 
 KEEP_ALIVE_S = 65  # seconds an idle keep-alive connection stays open
+
+# Python's thread switch interval while serving. Every torch op the engine thread runs
+# drops the GIL and takes it back; when the event loop holds it meanwhile, the engine waits
+# up to this long for it (Python's default is 5 ms). On the 2-core CI machine an engine-like
+# thread (300 GIL-releasing ops and a 6 ms wait per step) beside a busy thread stepped in
+# 13-16 ms at 1 ms, 12 ms at 0.2 ms (8-10 ms alone), with no less work done by the busy one.
+SWITCH_INTERVAL_MS = 0.2
+SWITCH_INTERVAL_ENV = "MOETRACE_SERVE_SWITCH_INTERVAL_MS"
+
+
+def switch_interval_s() -> float:
+    """The switch interval to serve with: ``SWITCH_INTERVAL_MS`` unless the environment says."""
+    value = os.environ.get(SWITCH_INTERVAL_ENV, "")
+    try:
+        ms = float(value) if value else SWITCH_INTERVAL_MS
+    except ValueError:
+        raise MoetraceError(
+            f"{SWITCH_INTERVAL_ENV} must be a number of ms, got {value!r}"
+        ) from None
+    if not ms > 0:
+        raise MoetraceError(f"{SWITCH_INTERVAL_ENV} must be > 0, got {value!r}")
+    return ms / 1e3
 
 
 @dataclass
@@ -136,6 +159,7 @@ class Server:
             )
         if flush_interval_s <= 0 or flush_every_requests < 1:
             raise MoetraceError("--flush-interval must be > 0 and --flush-every at least 1")
+        self.switch_interval_s = switch_interval_s()
         self.model_name = model
         self.device = resolve_device(device)
         self.dtype = dtype
@@ -216,9 +240,7 @@ class Server:
             vocab_size=loaded.model.vocab_size,
         )
         result = ServeResult(trace=self.trace_out)
-        # The engine thread wakes from each CUDA wait wanting the GIL back; with Python's
-        # default 5 ms switch interval a busy event loop could hold it that long each step.
-        sys.setswitchinterval(0.001)
+        sys.setswitchinterval(self.switch_interval_s)
         start = time.monotonic()
         try:
             asyncio.run(self._serve(engine, writer, facts, eos, result, on_ready))
