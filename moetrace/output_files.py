@@ -1,4 +1,4 @@
-"""One rule for every file a command writes: record's trace, export's file, merge's trace.
+"""One rule for every file a command writes: traces (record, merge, import), export's file.
 
 An existing file is replaced only with ``--overwrite`` (``record`` may also
 continue it with ``--resume``), the words are the same from every command,

@@ -148,6 +148,9 @@ def test_every_command_says_the_same_about_an_existing_output(trace, tmp_path):
         "record": moetrace("record", "demo", str(tmp_path / "p.jsonl"), "-o", str(existing)),
         "export": moetrace("export", str(trace), "-o", str(existing)),
         "merge": moetrace("merge", str(existing), str(trace)),
+        "import": moetrace(
+            "import", str(tmp_path / "p.jsonl"), "-o", str(existing), "--model", "demo"
+        ),
     }
     rule = f"error: {existing} already exists (pass --overwrite to replace it"
     for command, proc in said.items():
@@ -155,6 +158,28 @@ def test_every_command_says_the_same_about_an_existing_output(trace, tmp_path):
         assert proc.stderr.startswith(rule), (command, proc.stderr)
     assert said["record"].stderr.strip().endswith("or --resume to continue it)")
     assert existing.read_bytes() == b"keep me"
+
+
+def test_a_failed_import_over_a_trace_leaves_that_trace(trace, tmp_path):
+    """--overwrite replaces OUTPUT with the import, never with nothing."""
+    old = tmp_path / "old.h5"
+    old.write_bytes(trace.read_bytes())
+    (tmp_path / "bad.jsonl").write_text('{"bogus": 1}\n')
+    (tmp_path / "blank.jsonl").write_text("\n")
+    for responses in ("bad.jsonl", "blank.jsonl"):
+        proc = moetrace("import", responses, "-o", "old.h5", "--model", "demo", "--overwrite",
+                        cwd=tmp_path)  # fmt: skip
+        assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert old.read_bytes() == trace.read_bytes(), responses
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "blank.jsonl", "old.h5"]
+    exported = moetrace("export", str(trace), "-o", "good.jsonl", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    proc = moetrace("import", "good.jsonl", "-o", "old.h5", "--model", "demo", "--overwrite",
+                    cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert old.read_bytes() != trace.read_bytes()  # replaced, by a trace of the same requests
+    again = moetrace("export", "old.h5", cwd=tmp_path)
+    assert sorted(json.loads(x)["id"] for x in again.stdout.splitlines()) == ["a", "b", "c"]
 
 
 def test_a_failed_write_leaves_the_old_file(tmp_path):

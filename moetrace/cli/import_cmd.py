@@ -55,12 +55,14 @@ def import_command(
     Example: moetrace import vllm_out.jsonl --model ~/models/Qwen3-30B-A3B -o vllm.h5
     """
     from moetrace.analysis.importers import ENGINES, Importer, model_shape, read_values, sequences
-    from moetrace.output_files import check_not_an_input
+    from moetrace.output_files import check_new_output, check_not_an_input, replacing
+    from moetrace.trace.lock import TraceLock
     from moetrace.trace.writer import TraceWriter
 
     if engine not in ENGINES:
         raise MoetraceError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     check_not_an_input(output, [(f"the response file {p}", p) for p in responses if p != "-"])
+    check_new_output(output, overwrite=overwrite)
     shape = model_shape(
         model,
         num_layers=num_layers,
@@ -71,20 +73,25 @@ def import_command(
     )
     importer = Importer(shape, allow_missing_tokens=allow_missing_tokens, layout=layout)
     settings = {"imported_from": [str(p) for p in responses], "engine": engine}
-    writer = TraceWriter(output, shape.metadata(dtype, settings), overwrite=overwrite)
-    writer.start()
-    ok = False
+    # Written beside OUTPUT and renamed over it only when every response went in: a bad
+    # response file must not cost the user the trace that --overwrite was to replace.
+    lock = TraceLock(output).acquire()
     try:
-        for where, value in read_values(responses):
-            for seq in sequences(value, where, engine):
-                writer.submit(importer.request(seq))
-        if importer.count == 0:
-            raise MoetraceError("no responses found in " + ", ".join(responses))
-        ok = True
+        with replacing(output) as temporary:
+            writer = TraceWriter(temporary, shape.metadata(dtype, settings), lock=lock)
+            writer.start()
+            ok = False
+            try:
+                for where, value in read_values(responses):
+                    for seq in sequences(value, where, engine):
+                        writer.submit(importer.request(seq))
+                if importer.count == 0:
+                    raise MoetraceError("no responses found in " + ", ".join(responses))
+                ok = True
+            finally:
+                writer.close(complete=ok)
     finally:
-        writer.close(complete=ok)
-        if not ok:
-            output.unlink(missing_ok=True)  # all or nothing: an import is cheap to redo
+        lock.release()
     note = f", dropped a trailing row in {importer.trimmed}" if importer.trimmed else ""
     Console(stderr=True).print(
         f"[green]wrote[/green] {output}: {importer.count} requests from "
