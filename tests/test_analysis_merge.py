@@ -84,3 +84,25 @@ def test_merge_refuses_incomplete_unless_asked(shards, tmp_path):
         merge_traces(tmp_path / "x.h5", [cut])
     result = merge_traces(tmp_path / "x.h5", [cut], allow_incomplete=True)
     assert result["requests"] == 8
+
+
+def test_a_damaged_shard_leaves_the_file_overwrite_was_to_replace(shards, tmp_path):
+    reqs, paths = shards
+    damaged = tmp_path / "d.h5"
+    damaged.write_bytes(paths[1].read_bytes())
+    with h5py.File(damaged, "r+") as f:  # one expert id of the last row changed
+        rows = f["routed_experts"]
+        last = rows[-1]
+        last[0, 0] = (int(last[0, 0]) + 1) % 16
+        rows[-1] = last
+    old = tmp_path / "all.h5"
+    old.write_bytes(paths[2].read_bytes())
+    with pytest.raises(MoetraceError, match="damaged"):
+        merge_traces(old, [paths[0], damaged], overwrite=True)
+    assert old.read_bytes() == paths[2].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all.h5", "d.h5"]
+    merge_traces(old, [paths[0], paths[1]], overwrite=True)
+    with open_trace(old) as t:
+        assert t.request_ids == [r.request_id for r in reqs[0::3] + reqs[1::3]]
+    with h5py.File(old, "r") as f:
+        assert [p["path"] for p in json.loads(f.attrs["merged_from"])] == list(map(str, paths[:2]))

@@ -17,8 +17,9 @@ from pathlib import Path
 import h5py
 
 from moetrace.errors import MoetraceError
-from moetrace.output_files import check_new_output, check_not_an_input
+from moetrace.output_files import check_new_output, check_not_an_input, replacing
 from moetrace.prompt_shards import check_shard_set
+from moetrace.trace.lock import TraceLock
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace
 from moetrace.trace.verify import PARTIAL_MERGE
@@ -140,47 +141,23 @@ def merge_traces(
     check_not_an_input(out, [(f"the shard {p}", p) for p in shard_paths])
     check_new_output(out, overwrite=overwrite)
     shards = []
+    lock = TraceLock(out).acquire()
     try:
         for p in shard_paths:
             shards.append(open_trace(p))
         notes, partial = check_shards(shards, allow_incomplete)
-        first = shards[0]
-        writer = TraceWriter(
-            out,
-            metadata_of(first),
-            chunk_rows=first.chunk_rows,
-            compression="gzip" if first.compression == "gzip" else None,
-            overwrite=overwrite,
-        )
-        provenance, requests, rows = [], 0, 0
-        complete = not partial or as_complete
-        end_reason = "complete" if not partial else f"{PARTIAL_MERGE}: " + "; ".join(partial)
-        writer.start()
-        try:
-            for shard in shards:
-                for req in shard:
-                    writer.submit(req)  # a TraceRequest is the FinishedRequest it was written from
-                provenance.append(
-                    {
-                        "path": str(shard.path),
-                        "created": shard.metadata.get("created"),
-                        "requests": shard.num_requests,
-                        "rows": shard.num_rows,
-                        "complete": shard.complete,
-                        "engine_settings": shard.metadata.get("engine_settings") or {},
-                    }
-                )
-                requests += shard.num_requests
-                rows += shard.num_rows
-        except BaseException:
-            writer.close(complete=False, end_reason="merge failed")
-            raise
-        writer.close(complete=complete, end_reason=end_reason)
+        # Written beside OUT and renamed over it only when every shard went in: a damaged
+        # shard must not cost the user the file that --overwrite was to replace.
+        with replacing(out) as temporary:
+            provenance, requests, rows, complete = _write_merged(
+                temporary, shards, partial, as_complete, lock
+            )
+            with h5py.File(temporary, "r+", locking=False) as f:
+                f.attrs["merged_from"] = json.dumps(provenance, sort_keys=True)
     finally:
         for shard in shards:
             shard.close()
-    with h5py.File(out, "r+", locking=False) as f:
-        f.attrs["merged_from"] = json.dumps(provenance, sort_keys=True)
+        lock.release()
     return {
         "output": str(out),
         "shards": len(shards),
@@ -190,3 +167,42 @@ def merge_traces(
         "partial": partial,
         "complete": complete,
     }
+
+
+def _write_merged(
+    path: Path, shards: list[Trace], partial: list[str], as_complete: bool, lock: TraceLock
+) -> tuple[list[dict], int, int, bool]:
+    """Copy every shard's requests into a new trace at ``path``; provenance and counts."""
+    first = shards[0]
+    writer = TraceWriter(
+        path,
+        metadata_of(first),
+        chunk_rows=first.chunk_rows,
+        compression="gzip" if first.compression == "gzip" else None,
+        lock=lock,
+    )
+    provenance, requests, rows = [], 0, 0
+    complete = not partial or as_complete
+    end_reason = "complete" if not partial else f"{PARTIAL_MERGE}: " + "; ".join(partial)
+    writer.start()
+    try:
+        for shard in shards:
+            for req in shard:
+                writer.submit(req)  # a TraceRequest is the FinishedRequest it was written from
+            provenance.append(
+                {
+                    "path": str(shard.path),
+                    "created": shard.metadata.get("created"),
+                    "requests": shard.num_requests,
+                    "rows": shard.num_rows,
+                    "complete": shard.complete,
+                    "engine_settings": shard.metadata.get("engine_settings") or {},
+                }
+            )
+            requests += shard.num_requests
+            rows += shard.num_rows
+    except BaseException:
+        writer.close(complete=False, end_reason="merge failed")
+        raise
+    writer.close(complete=complete, end_reason=end_reason)
+    return provenance, requests, rows, complete
