@@ -190,3 +190,16 @@ def test_samples_of_one_prompt_round_trip_and_an_older_table_refuses_them(tmp_pa
     writer.close()
     with open_trace(old) as trace:
         assert trace.request_ids[-1] == "more" and trace.verify() == []
+
+
+def test_a_declared_column_reaches_to_pandas_without_an_edit_there(monkeypatch):
+    """Trace.to_pandas lists the table from the schema: a column added later is one edit."""
+    pytest.importorskip("pandas")
+    later = records.Column("num_spec_tokens", np.dtype("<i4"), default=0)
+    monkeypatch.setattr(reader_module, "COLUMNS", (*records.COLUMNS, later))
+    with open_trace(DATA / "trace_v1_uint8.h5") as t:  # written before the column
+        table = t.to_pandas()
+        assert table["num_spec_tokens"].tolist() == [0] * t.num_requests
+        assert "checksum" not in table.columns
+        declared = [c.name for c in records.COLUMNS if c.kind != records.PLACED]
+        assert set(table.columns) == {*declared, "row_start", "token_start", "num_spec_tokens"}

@@ -29,7 +29,9 @@ from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
 from moetrace.trace.records import (
     ARRAYS,
+    COLUMNS,
     LOGPROBS,
+    PLACED,
     REQUESTS,
     ROUTED_EXPERTS,
     ROUTED_WEIGHTS,
@@ -303,8 +305,10 @@ class Trace:
 
         Columns: id, sample_index, index, prompt_len, output_len, num_rows,
         finish_reason (its name), num_cached_tokens, num_preemptions, extra (a
-        dict) and the offsets row_start and token_start; the index is the
-        record number.  Needs pandas (``pip install 'moetrace[pandas]'``).
+        dict) and the offsets row_start and token_start, then any column
+        declared since in ``trace/records.py`` (its default where the file
+        predates it); the index is the record number.  Needs pandas
+        (``pip install 'moetrace[pandas]'``).
         """
         try:
             import pandas as pd
@@ -327,6 +331,15 @@ class Trace:
             "row_start": t["row_start"],
             "token_start": t["token_start"],
         }
+        held = t.dtype.names or ()
+        for column in COLUMNS:  # a field declared later comes along without an edit here
+            if column.name in columns or column.kind == PLACED:
+                continue
+            columns[column.name] = (
+                [column.from_table(v) for v in t[column.name].tolist()]
+                if column.name in held
+                else [column.default] * len(t)
+            )
         return pd.DataFrame(columns, index=pd.RangeIndex(len(t), name="record"))
 
     def _read_slices(self, rec: np.void) -> dict[str, np.ndarray]:
