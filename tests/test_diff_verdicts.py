@@ -8,6 +8,7 @@ change alone.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,18 @@ def test_trouble_exits_2(runs, tmp_path):
     assert code == 2 and err.startswith("error: no such trace file")
     code, _, err = diff(runs["base"], runs["again"], "-r", "nope")
     assert code == 2 and "no request 'nope'" in err
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_the_verdict_survives_a_reader_that_leaves_early(runs, as_json):
+    """``moetrace diff a b | head -1`` under pipefail: different runs still exit 1."""
+    read, write = os.pipe()
+    os.close(read)  # every write meets a closed pipe, whatever the timing
+    try:
+        args = ["--json"] if as_json else []
+        different = moetrace("diff", str(runs["base"]), str(runs["short"]), *args, stdout=write)
+        same = moetrace("diff", str(runs["base"]), str(runs["again"]), *args, stdout=write)
+    finally:
+        os.close(write)
+    assert (different.returncode, different.stderr) == (1, "")
+    assert (same.returncode, same.stderr) == (0, "")

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace.analysis.diff import diff_exit_code, diff_traces
-from moetrace.cli.pipes import StdoutConsole
+from moetrace.cli.pipes import StdoutConsole, stop_quietly
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import open_trace
 
@@ -44,7 +44,17 @@ def diff_command(
     except MoetraceError as exc:  # diff(1)'s "trouble"
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
-    raise typer.Exit(diff_exit_code(result))
+    code = diff_exit_code(result)
+    # The verdict is the exit code, also for `moetrace diff a b | head -1`.
+    try:
+        if as_json:
+            typer.echo(json.dumps(result))
+            sys.stdout.flush()
+        else:
+            render_diff(StdoutConsole(closed_pipe_code=code), result, limit)
+    except BrokenPipeError:
+        stop_quietly(code)
+    raise typer.Exit(code)
 
 
 def _diff(
@@ -74,10 +84,6 @@ def _diff(
             subtitle=f"{result['tokens']:,} tokens compared; "
             f"{_pct(result['token_mismatch'])} differ in at least one layer",
         )
-    if as_json:
-        typer.echo(json.dumps(result))
-    else:
-        render_diff(StdoutConsole(), result, limit)
     return result
 
 
