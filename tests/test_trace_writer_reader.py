@@ -173,13 +173,18 @@ def test_row_chunks_stream_every_row(written):
             np.testing.assert_array_equal(np.concatenate([a for _, a in parts]), want)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=12), st.integers(1, 9))
-def test_chunk_appender_keeps_every_row(steps, chunk):
-    """Any mix of appends (shorter and longer than a chunk) and flushes leaves the rows in order."""
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=12),
+    st.integers(1, 9),
+    st.integers(1, 4),
+)
+def test_chunk_appender_keeps_every_row(steps, chunk, chunks_per_write):
+    """Any mix of appends (shorter and longer than a chunk or a write) and flushes leaves the
+    rows in order, whatever number of chunks one write holds."""
     with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
         ds = f.create_dataset("d", (0, 2), maxshape=(None, 2), chunks=(chunk, 2), dtype="u2")
-        app = writer_module._ChunkAppender(ds)
+        app = writer_module._ChunkAppender(ds, write_bytes=chunks_per_write * chunk * 4)
         want, n = [], 0
         for size, flush in steps:
             rows = np.arange(n, n + size, dtype="u2").repeat(2).reshape(-1, 2)
@@ -330,7 +335,7 @@ def test_error_in_writer_thread_surfaces(tmp_path, monkeypatch):
 
 
 def test_submit_blocked_on_a_full_queue_is_released_by_a_failure(tmp_path, monkeypatch):
-    def slow_failure(self, req, extra):
+    def slow_failure(self, batch):
         time.sleep(0.2)  # long enough for the caller to block on the full queue
         raise OSError("disk gone")
 
@@ -361,6 +366,63 @@ def test_bug_in_writer_thread_keeps_its_type(tmp_path, monkeypatch):
     w.submit(mixed_requests(md, n=1)[0])
     with pytest.raises(ZeroDivisionError):
         w.close()
+
+
+def test_failure_in_a_batch_that_took_the_close_message_still_returns(tmp_path, monkeypatch):
+    """Requests and the close message queued before the thread runs are taken as one batch;
+    a failure placing them must not leave the thread (and ``close``) waiting for the close."""
+    loop = TraceWriter._loop
+
+    def late_loop(self):
+        self.queued.wait(5)  # everything, close included, is queued first
+        return loop(self)
+
+    monkeypatch.setattr(TraceWriter, "_loop", late_loop)
+    monkeypatch.setattr(writer_module, "request_checksum", lambda *a: 1 / 0)
+    md = make_metadata()
+    w = TraceWriter(tmp_path / "t.h5", md)
+    w.queued = threading.Event()
+    w.start()
+    for r in mixed_requests(md, n=3):
+        w.submit(r)
+    threading.Timer(0.2, w.queued.set).start()
+    raised = []
+
+    def close():
+        try:
+            w.close()
+        except ZeroDivisionError as exc:
+            raised.append(exc)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive(), "close stayed blocked after the writer thread failed"
+    assert raised, "the thread's failure did not reach close()"
+
+
+def test_a_burst_of_requests_is_written_in_few_writes(tmp_path, monkeypatch):
+    """Requests queued together go to each dataset in whole multi-chunk writes, not one or
+    more writes per request; the trace reads back the same."""
+    writes = []
+    write = writer_module._ChunkAppender._write
+
+    def counting(self, offset, data):
+        writes.append((self.ds.name, len(data)))
+        return write(self, offset, data)
+
+    monkeypatch.setattr(writer_module._ChunkAppender, "_write", counting)
+    md = make_metadata()
+    reqs = mixed_requests(md, n=60)
+    with TraceWriter(tmp_path / "t.h5", md, chunk_rows=CHUNK, flush_every_requests=1000) as w:
+        for r in reqs:
+            w.submit(r)
+    rows = sum(r.num_rows for r in reqs)
+    row_writes = [n for name, n in writes if name == "/routed_experts"]
+    assert sum(row_writes) >= rows and len(row_writes) < len(reqs) // 4
+    with open_trace(tmp_path / "t.h5") as t:
+        for want, got in zip(reqs, t, strict=True):
+            np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
 
 
 def test_unwritable_path(tmp_path):

@@ -6,6 +6,10 @@ The layout is specified in docs/trace-format.md.  Why it is written this way
 - one thread owns the open file for the whole run: opening and closing an HDF5
   file holds the GIL for 20-28 ms, dataset writes release it;
 - rows are buffered until a chunk is full: partial-chunk writes are ~4x slower;
+  whole chunks go out several at a time (``WRITE_BYTES``), past HDF5's chunk
+  cache, and requests queued together are placed as one batch: when a
+  whole batch of requests ends at once (the end of a uniform run), the
+  run waits on these writes, so each h5py call counts;
 - a request's record is appended only after its rows and tokens were written
   and flushed, and carries a checksum of them, so a reader can tell which
   records survived a kill;
@@ -67,6 +71,7 @@ from moetrace.trace.records import (
 
 TOKEN_CHUNK = 16384  # 64 KiB of int32: a token is 4 bytes where its row is L * k ids
 REQUEST_CHUNK = 1024
+WRITE_BYTES = 4 << 20  # appended rows go to the file in writes of about this size
 # Oldest on-disk structures that hold our layout: HDF5 >= 1.10 tools can read the
 # file, and a killed run leaves no "file open for write" flag that needs h5clear.
 LIBVER = ("earliest", "v110")
@@ -108,16 +113,22 @@ def _root_attrs(metadata: TraceMetadata) -> dict:
 
 
 class _ChunkAppender:
-    """Appends along axis 0 in whole chunks; the tail chunk stays in memory until full.
+    """Appends along axis 0 in whole, aligned chunks, several per write.
 
-    A flush writes the unflushed part of the tail but keeps it buffered, so the
-    next write of that chunk is again a whole, aligned chunk.
+    Rows gather in a buffer of whole chunks (about ``write_bytes``), which goes
+    to the file in one write when it is full: one HDF5 call per few megabytes
+    rather than per chunk or per request.  A flush writes the unflushed rows
+    but keeps the partial tail chunk buffered, so the next write of that chunk
+    is again a whole, aligned one.
     """
 
-    def __init__(self, ds: h5py.Dataset, length: int = 0) -> None:
+    def __init__(self, ds: h5py.Dataset, length: int = 0, write_bytes: int = WRITE_BYTES) -> None:
         self.ds = ds
         self.chunk = ds.chunks[0]
-        self.buf = np.empty((self.chunk, *ds.shape[1:]), dtype=ds.dtype)
+        row_bytes = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+        self.chunk_bytes = self.chunk * row_bytes
+        chunks = max(1, write_bytes // self.chunk_bytes)
+        self.buf = np.empty((chunks * self.chunk, *ds.shape[1:]), dtype=ds.dtype)
         self.start = length // self.chunk * self.chunk  # dataset offset of buf[0]
         self.fill = length - self.start  # rows in buf
         self.flushed = self.fill  # rows of buf already in the file
@@ -128,31 +139,31 @@ class _ChunkAppender:
     def length(self) -> int:
         return self.start + self.fill
 
-    @property
-    def chunk_bytes(self) -> int:
-        return self.buf.nbytes
-
     def append(self, data: np.ndarray) -> None:
         n, i = len(data), 0
-        if self.fill:
-            i = min(self.chunk - self.fill, n)
-            self.buf[self.fill : self.fill + i] = data[:i]
-            self.fill += i
-            if self.fill < self.chunk:
-                return
-            self._write(self.start, self.buf)
-            self.start, self.fill, self.flushed = self.start + self.chunk, 0, 0
-        whole = (n - i) // self.chunk * self.chunk
-        if whole:
-            self._write(self.start, data[i : i + whole])
-            self.start, i = self.start + whole, i + whole
-        self.fill = n - i
-        self.buf[: self.fill] = data[i:]
+        while i < n:
+            take = min(len(self.buf) - self.fill, n - i)
+            self.buf[self.fill : self.fill + take] = data[i : i + take]
+            self.fill += take
+            i += take
+            if self.fill == len(self.buf):
+                self._write_buffer(self.fill)
 
     def flush(self) -> None:
         if self.fill > self.flushed:
-            self._write(self.start + self.flushed, self.buf[self.flushed : self.fill])
-            self.flushed = self.fill
+            self._write_buffer(self.fill)
+
+    def _write_buffer(self, end: int) -> None:
+        """Write ``buf[:end]`` from the chunk holding the first unflushed row; keep the tail chunk."""
+        first = self.flushed // self.chunk * self.chunk
+        self._write(self.start + first, self.buf[first:end])
+        whole = self.fill // self.chunk * self.chunk
+        tail = self.fill - whole
+        if whole:
+            self.buf[:tail] = self.buf[whole : self.fill]
+            self.start += whole
+        self.fill = tail
+        self.flushed = max(0, end - whole)
 
     def _write(self, offset: int, data: np.ndarray) -> None:
         end = offset + len(data)
@@ -240,6 +251,8 @@ class TraceWriter:
         self._error_raised = False
         self._closed = False
         self._table_crc = 0
+        self._close_taken = False  # the thread took the close message off the queue
+        self._room = 0  # free bytes measured at the start of the batch being placed
         # Progress, written by the thread only.
         self.kept_requests = 0  # records kept from an earlier run (append mode)
         self.written_requests = 0  # taken by the thread: rows buffered or in the file
@@ -446,7 +459,7 @@ class TraceWriter:
 
     def _create(self) -> h5py.File:
         md = self.metadata
-        f = h5py.File(self._creating, "w", libver=LIBVER)
+        f = h5py.File(self._creating, "w", libver=LIBVER, rdcc_nbytes=0)
         try:
             opts = {"compression": "gzip", "compression_opts": 1} if self.compression else {}
             datasets = {}
@@ -505,7 +518,7 @@ class TraceWriter:
     def _open_append(self) -> h5py.File:
         """Reopen a trace, cut it back to the kept records and continue after them."""
         md = self.metadata
-        f = h5py.File(self.path, "r+", libver=LIBVER)
+        f = h5py.File(self.path, "r+", libver=LIBVER, rdcc_nbytes=0)
         try:
             names = [a.name for a in self._arrays]
             missing = [name for name in (*names, REQUESTS) if name not in f]
@@ -576,17 +589,33 @@ class TraceWriter:
         return f
 
     def _loop(self) -> tuple[bool, str, list[dict] | None]:
-        """Take requests until the close message; return what it carries."""
+        """Take requests until the close message; return what it carries.
+
+        Whatever has queued up meanwhile is taken as one batch (up to the next
+        flush), so a burst of finished requests costs one write per dataset
+        rather than one per request and dataset.
+        """
         deadline = time.monotonic() + self.flush_interval_s
         while True:
             try:
-                item, arg = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 item = None
-            if item is _CLOSE:
-                return arg
-            if item is not None:
-                self._place(item, arg)
+            batch: list[tuple[FinishedRequest, dict]] = []
+            while item is not None and item[0] is not _CLOSE:
+                batch.append(item)
+                if len(self._pending) + len(batch) >= self.flush_every_requests:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            if item is not None and item[0] is _CLOSE:
+                self._close_taken = True  # a failure below must not wait for it again
+            if batch:
+                self._place(batch)
+            if self._close_taken:
+                return item[1]
             if len(self._pending) >= self.flush_every_requests or time.monotonic() >= deadline:
                 self._flush()
                 deadline = time.monotonic() + self.flush_interval_s
@@ -600,26 +629,48 @@ class TraceWriter:
             self._file.attrs["complete"] = True
         self._file.flush()
 
-    def _place(self, req: FinishedRequest, encoded: dict) -> None:
-        data = {a.name: a.values(req) for a in self._arrays}
-        placed = {
-            "row_start": self._rows.length,
-            "token_start": self._tokens.length,
-            "checksum": request_checksum(*data.values()),
-        }
-        record = table_row(encoded, placed, self._columns)
-        self._ensure_space(sum(d.nbytes for d in data.values()) + 256)
-        for name, values in data.items():
-            self._appenders[name].append(values)
-        self._pending.append(record)
-        self.written_requests += 1
-        self.written_rows += req.num_rows
+    def _place(self, batch: list[tuple[FinishedRequest, dict]]) -> None:
+        """Append a batch of requests: offsets, checksums and records one by one, data at once.
 
-    def _ensure_space(self, nbytes: int) -> None:
-        """Refuse a write that would eat into the reserve (chunks may be rewritten: count 2x)."""
+        A request refused for want of space ends the batch; those before it are placed.
+        """
+        first_row = rows_at = self._rows.length
+        tokens_at = self._tokens.length
+        placed: list[dict[str, np.ndarray]] = []
+        batch_bytes = 0
+        try:
+            for req, encoded in batch:
+                data = {a.name: a.values(req) for a in self._arrays}
+                nbytes = sum(d.nbytes for d in data.values())
+                self._ensure_space(nbytes + 256, ahead=batch_bytes, requests=len(placed))
+                offsets = {
+                    "row_start": rows_at,
+                    "token_start": tokens_at,
+                    "checksum": request_checksum(*data.values()),
+                }
+                self._pending.append(table_row(encoded, offsets, self._columns))
+                placed.append(data)
+                batch_bytes += nbytes
+                rows_at += req.num_rows
+                tokens_at += req.prompt_len + req.output_len
+        finally:
+            if placed:
+                for name, appender in self._appenders.items():
+                    for data in placed:
+                        appender.append(data[name])
+                self.written_requests += len(placed)
+                self.written_rows += rows_at - first_row
+
+    def _ensure_space(self, nbytes: int, *, ahead: int = 0, requests: int = 0) -> None:
+        """Refuse a write that would eat into the reserve (chunks may be rewritten: count 2x).
+
+        ``ahead``: bytes of the batch placed before this request, not yet in the file.
+        """
         if not self.reserve_bytes:
             return
-        room = free_bytes(self.path)
+        if requests == 0:
+            self._room = free_bytes(self.path)
+        room = self._room - ahead
         pending = (len(self._pending) + 1) * 256 + 2 * self._rows.chunk_bytes
         if room < self.reserve_bytes + 2 * nbytes + pending:
             raise DiskFullError(
@@ -650,7 +701,7 @@ class TraceWriter:
 
     def _drain(self) -> None:
         """After a failure keep emptying the queue so that no submitter blocks forever."""
-        while self._queue.get()[0] is not _CLOSE:
+        while not self._close_taken and self._queue.get()[0] is not _CLOSE:
             pass
 
 
