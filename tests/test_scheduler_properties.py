@@ -74,8 +74,8 @@ class FakeStep:
     def finish(self) -> dict[str, int]:
         return self.sampled
 
-    def logprobs(self) -> dict:
-        return {}
+    def logprobs(self) -> None:
+        return None  # no request here asks for log-probabilities
 
 
 class CausalFake:

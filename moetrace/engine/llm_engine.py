@@ -15,7 +15,7 @@ from moetrace.engine.block_manager import BlockManager
 from moetrace.engine.memory import plan_num_blocks
 from moetrace.engine.model_runner import LaunchedStep, ModelRunner, set_kernel_paths
 from moetrace.engine.precompile import count_compiles, precompile
-from moetrace.engine.request import Request, RequestStatus, Scoring, TokenLogprob
+from moetrace.engine.request import Request, RequestStatus, Scoring
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.scheduler import Scheduler
 from moetrace.engine.stop_strings import StopStringMatcher, StreamingDecoder
@@ -420,16 +420,6 @@ class LLMEngine:
 
 def _output_logprobs(request: Request) -> OutputLogprobs | None:
     """The request's per-token log-probabilities as arrays, when it asked for them."""
-    num = request.sampling.logprobs
-    if num is None:
+    if request.sampling.logprobs is None:
         return None
-    kept: list[TokenLogprob] = request.logprobs[: request.num_output_tokens]
-    return OutputLogprobs(
-        token_logprob=np.asarray([t.logprob for t in kept], dtype=np.float32),
-        token_rank=np.asarray([t.rank for t in kept], dtype=np.int64),
-        # (tokens, num) even when num is 0: reshape(-1, 0) cannot infer the token count.
-        top_ids=np.asarray([t.top_ids[:num] for t in kept], dtype=np.int32).reshape(len(kept), num),
-        top_logprobs=np.asarray([t.top_logprobs[:num] for t in kept], dtype=np.float32).reshape(
-            len(kept), num
-        ),
-    )
+    return request.logprobs.output(request.num_output_tokens)

@@ -20,7 +20,7 @@ from moetrace.capture.types import RoutedExpertsLists
 from moetrace.config import EngineConfig
 from moetrace.distributed.state import get_parallel_state
 from moetrace.engine.cuda_graphs import StepGraphs
-from moetrace.engine.request import TokenLogprob
+from moetrace.engine.logprob_columns import StepLogprobs
 from moetrace.engine.sampler import Logprobs, SamplingBatch, sample, token_logprobs
 from moetrace.engine.sampling_inputs import SamplingInputs
 from moetrace.engine.scheduler import SchedulerOutput
@@ -53,16 +53,16 @@ class LaunchedStep:
         ids = [r.request_id for r in self.plan.sampling_requests]
         return dict(zip(ids, self.sampled_host.tolist(), strict=True))
 
-    def logprobs(self) -> dict[str, TokenLogprob]:
+    def logprobs(self) -> StepLogprobs | None:
         """The sampled tokens' log-probabilities, for the requests that asked (after finish)."""
         if self.logprobs_host is None:
-            return {}
-        lp, rank, top_ids, top_lp = (t.numpy() for t in self.logprobs_host)
-        return {
-            r.request_id: TokenLogprob(float(lp[i]), int(rank[i]), top_ids[i], top_lp[i])
+            return None
+        rows = {
+            r.request_id: i
             for i, r in enumerate(self.plan.sampling_requests)
             if r.sampling.logprobs is not None
         }
+        return StepLogprobs(rows, *(t.numpy() for t in self.logprobs_host))
 
 
 def set_kernel_paths(model: MoEForCausalLM, use_kernels: bool) -> None:

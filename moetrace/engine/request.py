@@ -9,10 +9,11 @@ which rows exist) follows from that count and ``num_tokens``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import numpy as np
 
+from moetrace.engine.logprob_columns import LogprobColumns, StepLogprobs
+from moetrace.engine.logprob_columns import TokenLogprob as TokenLogprob  # its old home
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.stop_strings import StopStringMatcher
 
@@ -60,16 +61,6 @@ class Scoring:
         return np.ascontiguousarray(self.forced_experts[start:stop]).tobytes()
 
 
-@dataclass
-class TokenLogprob:
-    """One sampled token's log-probabilities (host side), as the sampler computed them."""
-
-    logprob: float
-    rank: int
-    top_ids: np.ndarray  # int64 [N], most likely first
-    top_logprobs: np.ndarray  # float32 [N]
-
-
 class Request:
     """One prompt moving through the engine (one sample of it, when ``n`` > 1).
 
@@ -100,7 +91,7 @@ class Request:
         self.stop_strings = stop_strings
         # vLLM's stop_reason: the stop token id (not EOS) or stop string that ended it.
         self.stop_reason: int | str | None = None
-        self.logprobs: list[TokenLogprob] = []
+        self.logprobs = LogprobColumns(sampling.logprobs or 0)  # filled when it asked for them
         self.eos_token_ids = () if sampling.ignore_eos else tuple(eos_token_ids)
         self.stop_token_ids = frozenset(sampling.stop_token_ids) | frozenset(self.eos_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -164,10 +155,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+    def append_token(self, token_id: int, logprobs: StepLogprobs | None = None) -> None:
+        """Add a sampled token; with its log-probabilities when the step has them for this request."""
         self.token_ids.append(token_id)
-        if logprob is not None:
-            self.logprobs.append(logprob)
+        if logprobs is not None:
+            row = logprobs.rows.get(self.request_id)
+            if row is not None:
+                self.logprobs.append(logprobs, row)
 
     def check_stop(self) -> bool:
         """Mark the request finished if its last token ends it (vLLM's rules and order).

@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moetrace.engine.block_manager import BlockManager
-from moetrace.engine.request import Request, RequestStatus, TokenLogprob
+from moetrace.engine.logprob_columns import StepLogprobs
+from moetrace.engine.request import Request, RequestStatus
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Scheduler:
         self,
         output: SchedulerOutput,
         sampled: dict[str, int],
-        logprobs: dict[str, TokenLogprob] | None = None,
+        logprobs: StepLogprobs | None = None,
     ) -> list[Request]:
         """Fill in the tokens a finished step sampled; return the requests that ended.
 
@@ -182,7 +183,7 @@ class Scheduler:
                 continue
             if item.samples:
                 rid = request.request_id
-                request.append_token(sampled[rid], logprobs.get(rid) if logprobs else None)
+                request.append_token(sampled[rid], logprobs)
                 self.tokens_appended += 1
             known = min(request.num_computed_tokens, request.num_tokens)
             self.block_manager.register_computed_blocks(request, known)
