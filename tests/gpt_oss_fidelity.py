@@ -148,34 +148,46 @@ def differing_margins(
 
 def layer_forced_rows(
     ours: torch.nn.Module, sequence: list[int], layer_inputs: dict, device: torch.device, **engine
-) -> np.ndarray:
-    """Our rows for ``sequence`` in one prefill step, each layer fed transformers' input to it.
+) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
+    """Our rows for ``sequence`` in one prefill step, each layer fed transformers' input to it,
+    and each layer's router input (``{layer: [len(sequence), hidden]}``) in that step.
 
-    On the kernels a step may be padded to a captured size: padding rows follow
-    the sequence's and keep their own inputs.
+    The hooks go on only once the engine is built: on the kernels its start-up
+    runs every padded step size (1 token, 2, ...) to compile them, which
+    neither fit transformers' inputs nor are the step compared.  The step
+    itself may be padded to a captured size: padding rows follow the
+    sequence's and keep their own inputs.
     """
+    n = len(sequence)
+    router_inputs: dict[int, torch.Tensor] = {}
 
-    def force(module, args, i):
+    def force(args, i):
         x = args[0].clone()
-        x[: len(sequence)] = layer_inputs[i]
+        x[:n] = layer_inputs[i]
         return (x, *args[1:])
 
+    eng = start_engine(ours, [sequence], 1, device, **engine)
     hooks = [
-        layer.register_forward_pre_hook(lambda m, args, i=i: force(m, args, i))
+        layer.register_forward_pre_hook(lambda m, args, i=i: force(args, i))
+        for i, layer in enumerate(ours.layers)
+    ] + [
+        layer.mlp.register_forward_pre_hook(
+            lambda m, args, i=i: router_inputs.__setitem__(i, args[0][:n].clone())
+        )
         for i, layer in enumerate(ours.layers)
     ]
     try:
-        done = run_engine(ours, [sequence], 1, device, **engine)
+        done = finish_engine(eng, 1)
     finally:
         for h in hooks:
             h.remove()
-    return done[0].routed_experts[: len(sequence)]
+    return done[0].routed_experts[:n], router_inputs
 
 
-def run_engine(
+def start_engine(
     model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, device, **engine
-) -> list:
-    """Greedy runs of every prompt (EOS ignored); finished requests in prompt order."""
+) -> LLMEngine:
+    """An engine on ``model`` holding greedy requests for every prompt (EOS ignored)."""
     longest = max(len(p) for p in prompts) + max_tokens
     config = EngineConfig(
         **{"num_kv_blocks": len(prompts) * (longest // 16 + 2) + 8, "block_size": 16, **engine}
@@ -185,6 +197,18 @@ def run_engine(
         eng.add_request(
             str(i), ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), index=i
         )
+    return eng
+
+
+def finish_engine(eng: LLMEngine, num_prompts: int) -> list:
+    """Run ``eng`` to the end; finished requests in prompt order."""
     done = {f.request_id: f for f in eng.run()}
     eng.block_manager.check_no_leaks()
-    return [done[str(i)] for i in range(len(prompts))]
+    return [done[str(i)] for i in range(num_prompts)]
+
+
+def run_engine(
+    model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, device, **engine
+) -> list:
+    """Greedy runs of every prompt (EOS ignored); finished requests in prompt order."""
+    return finish_engine(start_engine(model, prompts, max_tokens, device, **engine), len(prompts))

@@ -129,26 +129,15 @@ def test_bf16_layer_forced_routing_agrees_with_transformers(twins, use_kernels):
     rng = np.random.default_rng(1)
     sequence = rng.integers(0, REAL_WIDTH["vocab_size"], 512).tolist()
     ref = reference_pass(twins.reference, [sequence])
-    router_inputs: dict[int, torch.Tensor] = {}
-    hooks = [
-        layer.mlp.register_forward_pre_hook(
-            lambda m, args, i=i: router_inputs.__setitem__(i, args[0][: len(sequence)].clone())
-        )
-        for i, layer in enumerate(twins.ours.layers)
-    ]
-    try:
-        rows = layer_forced_rows(
-            twins.ours,
-            sequence,
-            ref["inputs"],
-            CUDA,
-            use_kernels=use_kernels,
-            enforce_eager=True,
-            max_num_batched_tokens=1024,
-        )
-    finally:
-        for h in hooks:
-            h.remove()
+    rows, router_inputs = layer_forced_rows(
+        twins.ours,
+        sequence,
+        ref["inputs"],
+        CUDA,
+        use_kernels=use_kernels,
+        enforce_eager=True,
+        max_num_batched_tokens=1024,
+    )
     figures = []
     for i in range(REAL_WIDTH["num_hidden_layers"]):
         agree = set_agreement(rows[:, i], ref["ids"][i].cpu().numpy())
