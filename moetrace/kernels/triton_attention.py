@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from moetrace.forward_context import AttentionMetadata
 from moetrace.kernels.kv_store import store_kv_torch  # the plain path, and the baseline benchmarked
@@ -183,13 +184,15 @@ def _attend(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EAGER_ROUNDING: tl.constexpr = False,
+    PRECISE_EXP: tl.constexpr = False,
 ):
     """Online-softmax over keys [lo, hi).  MASKED=False: every key is visible to every row.
 
     ``score_scale`` is the softmax scale times log2(e).  ``EAGER_ROUNDING``
     (attention with sinks): ``score_scale`` is the plain softmax scale, ``m_i``
-    already each row's final max (``_row_max``), scores and ``score - max`` are
-    rounded to q's dtype as eager attention rounds them, and nothing rescales.
+    and ``l_i`` already each row's final max and denominator (``_row_pass``);
+    each probability is rounded to the value dtype after its division, as
+    eager attention's softmax returns it, and nothing rescales.
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
@@ -214,8 +217,8 @@ def _attend(
                 visible = visible & (pos[:, None] - j[None, :] < window)
             s = tl.where(visible, s, float("-inf"))
         if EAGER_ROUNDING:
-            p = tl.exp2(round_to(s - m_i[:, None], q.dtype) * _LOG2E_K)
-            l_i = l_i + tl.sum(p, 1)
+            e = _exp(round_to(s - m_i[:, None], q.dtype), PRECISE_EXP)
+            p = tl.div_rn(e, l_i[:, None])  # IEEE division, as torch's softmax divides
         else:
             if MASKED:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -264,9 +267,19 @@ def _eager_scores(q, k, scale, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _row_max(
+def _exp(x, PRECISE: tl.constexpr):
+    """``exp(x)`` in float32: libdevice's ``expf`` (what torch's CUDA softmax calls) when
+    ``PRECISE``, else the fast ``exp2`` form (the interpreter has no libdevice)."""
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp2(x * _LOG2E_K)
+
+
+@triton.jit
+def _row_pass(
     q,
-    sink,
+    m,
     lo,
     hi,
     pos,
@@ -284,14 +297,22 @@ def _row_max(
     BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SUM: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
 ):
-    """Each row's largest eager score over its visible keys in [lo, hi), and its sink.
+    """One pass over a row's visible keys in [lo, hi), eager scores recomputed from K.
 
-    With sinks the reference subtracts this max and rounds before ``exp``; the
-    rounding depends on the max, so it must be known before any key is summed
-    (a second pass over K, most of it from L2 in decode).
+    ``SUM=False``: the largest score, starting from ``m`` (the sink).
+    ``SUM=True``: ``sum(exp(round(score - m)))`` with ``m`` the row's max.
+    With sinks the reference rounds ``score - max`` before ``exp`` and each
+    probability after dividing by the row's sum, so both must be known before
+    any value is weighted: two passes over K ahead of the one over K and V
+    (in decode most of the re-read comes from L2).
     """
-    m = sink
+    if SUM:
+        out = tl.zeros_like(m)
+    else:
+        out = m
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
@@ -305,8 +326,12 @@ def _row_max(
         visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
         if USE_WINDOW:
             visible = visible & (pos[:, None] - j[None, :] < window)
-        m = tl.maximum(m, tl.max(tl.where(visible, s, float("-inf")), 1))
-    return m
+        s = tl.where(visible, s, float("-inf"))
+        if SUM:
+            out = out + tl.sum(_exp(round_to(s - m[:, None], q.dtype), PRECISE_EXP), 1)
+        else:
+            out = tl.maximum(out, tl.max(s, 1))
+    return out
 
 
 @triton.jit(do_not_specialize=["num_seqs", "decode_max_q"])
@@ -349,6 +374,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
 ):
     """One (query tile, KV head[, key split]) of one class of sequences.
 
@@ -416,32 +442,19 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if HAS_SINKS:
         # A learned logit per head joins each row's softmax and takes no value
-        # (gpt-oss).  Every split finds the whole row's max, sink included, so
-        # all subtract the same one; the first split counts the sink's share.
+        # (gpt-oss).  Every split finds the whole row's max and denominator,
+        # sink included, so all weight their keys by the same probabilities.
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        m_i = _row_max(
-            q,
-            sink,
-            row_lo,
-            row_hi,
-            pos,
-            k_cache_ptr,
-            bt_row,
-            kv_head,
-            window,
-            score_scale,
-            d,
-            d_ok,
-            stride_kb,
-            stride_ks,
-            stride_kh,
-            BLOCK_N,
-            BLOCK_SIZE,
-            USE_WINDOW,
-            DOT_PRECISION,
-        )
-        if split == 0:
-            l_i = tl.exp2(round_to(sink - m_i, q.dtype) * _LOG2E_K)
+        m_i = _row_pass(
+            q, sink, row_lo, row_hi, pos, k_cache_ptr, bt_row, kv_head, window, score_scale,
+            d, d_ok, stride_kb, stride_ks, stride_kh,
+            BLOCK_N, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, False, PRECISE_EXP,
+        )  # fmt: skip
+        l_i = _exp(round_to(sink - m_i, q.dtype), PRECISE_EXP) + _row_pass(
+            q, m_i, row_lo, row_hi, pos, k_cache_ptr, bt_row, kv_head, window, score_scale,
+            d, d_ok, stride_kb, stride_ks, stride_kh,
+            BLOCK_N, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, True, PRECISE_EXP,
+        )  # fmt: skip
     # Keys up to the tile's first query position are visible to all its rows
     # (without a window): whole BLOCK_N tiles of them skip the masking.
     full_hi = kv_lo
@@ -476,6 +489,7 @@ def _paged_attention_kernel(
         USE_WINDOW,
         DOT_PRECISION,
         HAS_SINKS,
+        PRECISE_EXP,
     )
     acc, m_i, l_i = _attend(
         q,
@@ -505,7 +519,12 @@ def _paged_attention_kernel(
         USE_WINDOW,
         DOT_PRECISION,
         HAS_SINKS,
+        PRECISE_EXP,
     )
+    if HAS_SINKS:
+        # acc holds the probability-weighted values already: divide by 1, and
+        # let the split-K merge add the shares (equal m; the first counts l = 1).
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + (split == 0).to(tl.float32)
 
     if NUM_SPLITS > 1:
         # Split decode has one query per sequence.  Unnormalised partials
@@ -691,6 +710,7 @@ def _launch_class(
         # fp32 caches get exact fp32 dots (Triton's default for fp32 is tf32).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SINKS=sinks is not None,
+        PRECISE_EXP=q.is_cuda,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -757,8 +777,10 @@ def paged_attention(
     ``sinks [Hq]`` (gpt-oss): one more logit per head in every row's softmax,
     with no value.  Then the kernel rounds as transformers' eager attention,
     the only attention that family has there: scores rounded to q's dtype, the
-    row max (sink included) subtracted and rounded before ``exp`` — which takes
-    a first pass over the keys for each row's max.
+    row max (sink included) subtracted and rounded before ``exp``, each
+    probability divided by the row's sum and rounded before it weights its
+    value.  That takes two passes over the keys (each row's max, then its
+    sum) before the one that reads the values.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

@@ -6,9 +6,11 @@ cast, square, mean, rsqrt and two products of a norm; slices, negation,
 concatenation and three products of a rotary embedding).  These kernels do
 the same arithmetic in one pass each and round where the reference rounds:
 
-* RMSNorm: float32 statistics, the normalised row cast to the input dtype,
-  then multiplied by the weight in that dtype (as transformers' modules do;
-  gpt-oss's multiplies the float32 row and rounds once).
+* RMSNorm: float32 statistics as torch's CUDA ops round them (the mean is
+  the sum times ``float32(1 / dim)``, then eps is added; no FMA), the
+  normalised row cast to the input dtype, then multiplied by the weight in
+  that dtype (as transformers' modules do; gpt-oss's multiplies the float32
+  row and rounds once).
 * Rotary (half-split layout): ``x * cos`` and ``rotate_half(x) * sin`` each
   rounded to the input dtype before their sum, which is rounded again: the
   three roundings of the torch expression, done on the bits (see
@@ -16,12 +18,13 @@ the same arithmetic in one pass each and round where the reference rounds:
 
 Both take ``[rows, heads, dim]`` inputs with any row and head strides (views
 of a fused QKV projection) and write a contiguous output.  The norm takes
-16-bit dtypes only: with float32 the compiler may fuse a product into an add
-(FMA), which would no longer round like the plain path.
+16-bit dtypes only (``RMSNorm.kernel_half_only``): those it is checked in
+against the plain path; float32 runs take the plain path.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +41,7 @@ def _rms_norm_kernel(
     stride_xt,
     stride_xh,
     dim,
+    inv_dim,
     eps,
     BLOCK_D: tl.constexpr,
     WEIGHT_IN_FLOAT32: tl.constexpr,
@@ -48,7 +52,9 @@ def _rms_norm_kernel(
     d = tl.arange(0, BLOCK_D)
     ok = d < dim
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / dim + eps)  # libdevice rsqrtf, as torch's CUDA rsqrt
+    # torch's CUDA mean multiplies the sum by float32(1 / dim); eps is added to
+    # the rounded mean (launched without FMA contraction, see ``rms_norm``).
+    rstd = tl.rsqrt(tl.sum(x * x, 0) * inv_dim + eps)  # libdevice rsqrtf, as torch's CUDA rsqrt
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if WEIGHT_IN_FLOAT32:  # gpt-oss: the weight multiplies the float32 row, one rounding
         y = (w * (x * rstd)).to(out_ptr.dtype.element_ty)
@@ -89,10 +95,14 @@ def rms_norm(
         rows.stride(0),
         rows.stride(1),
         d,
+        float(np.float32(1.0) / np.float32(d)),  # the float32 quotient, as torch's factor
         eps,
         BLOCK_D=block_d,
         WEIGHT_IN_FLOAT32=weight_in_float32,
         num_warps=min(8, max(1, block_d // 256)),
+        # torch squares, sums, scales and adds eps in separate roundings: no
+        # product may fuse into an add.  Memory-bound: costs nothing measurable.
+        enable_fp_fusion=False,
     )
     return out
 

@@ -1,0 +1,194 @@
+"""Attention with sinks rounds where transformers' eager gpt-oss attention rounds.
+
+That reference (``eager_attention_forward`` of ``modeling_gpt_oss``) computes
+in the model dtype: scores ``q @ k.T`` rounded, times the scale rounded, the
+sink logit joined, the row max subtracted and rounded, a softmax whose
+probabilities are rounded *after* dividing by the row's sum, then
+``probs @ v`` rounded.  ``emulate`` replays that sequence in float64 with a
+rounding to the 16-bit dtype at each of those points; the Triton kernel must
+land on it bit for bit except where its float32 sums, in another order, cross
+a 16-bit rounding boundary (rare), for prefill, decode and split-K decode,
+with and without a sliding window.
+
+On the CPU the interpreter runs the kernel in float16 (Triton 3.6's
+interpreter computes bfloat16 dots wrongly); float16 has the same rounding
+points, with three more mantissa bits.  Tiny shapes: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from triton_helpers import DEVICE, INTERPRET, KERNEL_TEST_MARKS
+
+from moetrace.forward_context import AttentionMetadata
+from moetrace.kernels import triton_attention
+from moetrace.layers.attention import paged_attention_torch
+
+pytestmark = KERNEL_TEST_MARKS
+DTYPE = torch.float16 if INTERPRET else torch.bfloat16
+KV_HEADS, GROUP, HEAD_DIM, BLOCK = 2, 4, 32, 8
+SCALE = HEAD_DIM**-0.5  # not a power of two: the product with the scale rounds too
+
+
+class Step:
+    """Packed queries over a paged cache laid out in shuffled blocks, with the dense K/V kept."""
+
+    def __init__(self, q_lens: list[int], seq_lens: list[int], seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.q_lens, self.seq_lens = q_lens, seq_lens
+        need = [math.ceil(s / BLOCK) for s in seq_lens]
+        order = torch.randperm(sum(need), generator=gen)
+        tables = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+        shape = (sum(need), BLOCK, KV_HEADS, HEAD_DIM)
+        self.k_cache = torch.full(shape, float("nan"), dtype=DTYPE)
+        self.v_cache = torch.full(shape, float("nan"), dtype=DTYPE)
+        self.keys, self.values, used = [], [], 0
+        for b, s in enumerate(seq_lens):
+            tables[b, : need[b]] = order[used : used + need[b]]
+            used += need[b]
+            # Scores a few units wide: the softmax is far from flat, far from one-hot.
+            k = (torch.randn(s, KV_HEADS, HEAD_DIM, generator=gen) * 1.5).to(DTYPE)
+            v = torch.randn(s, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+            pos = torch.arange(s)
+            slots = tables[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
+            self.k_cache.view(-1, KV_HEADS, HEAD_DIM)[slots] = k
+            self.v_cache.view(-1, KV_HEADS, HEAD_DIM)[slots] = v
+            self.keys.append(k)
+            self.values.append(v)
+        heads = KV_HEADS * GROUP
+        self.q = torch.randn(sum(q_lens), heads, HEAD_DIM, generator=gen).to(DTYPE)
+        self.sinks = (torch.randn(heads, generator=gen) * 2).to(DTYPE)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=DEVICE),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            block_tables=tables.to(DEVICE),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_size=BLOCK,
+            query_start_loc_host=starts,
+            seq_lens_host=list(seq_lens),
+            min_query_len=min(q_lens),
+        )
+
+    def kernel(self, window: int | None, splits: int | None = None) -> torch.Tensor:
+        """The kernel's output; ``splits``: force that split-K factor (decode tiles)."""
+        q, k, v = (t.to(DEVICE) for t in (self.q, self.k_cache, self.v_cache))
+        sinks = self.sinks.to(DEVICE)
+        if splits is None:
+            out = triton_attention.paged_attention(
+                q, k, v, self.meta, SCALE, sliding_window=window, sinks=sinks
+            )
+        else:
+            out = torch.full_like(q, float("nan"))
+            triton_attention._launch_attention(
+                q, k, v, self.meta, SCALE, window, out, 16, 16, 4, 2, splits, sinks=sinks
+            )
+        return out.cpu()
+
+    def emulate(self, window: int | None, *, normalise_then_round: bool = True) -> torch.Tensor:
+        """The reference's rounding sequence in float64.
+
+        ``normalise_then_round=False``: the other order a flash kernel tends to
+        use (round each unnormalised ``exp``, divide the weighted sum at the
+        end), for the test to show it can tell the two apart.
+        """
+
+        def r(x: torch.Tensor) -> torch.Tensor:
+            return x.to(DTYPE).double()
+
+        out = torch.empty(self.q.shape, dtype=torch.float64)
+        start = 0
+        for q_len, s, k, v in zip(self.q_lens, self.seq_lens, self.keys, self.values, strict=True):
+            q = self.q[start : start + q_len].double().transpose(0, 1)  # [H, q, D]
+            kk = k.double().transpose(0, 1).repeat_interleave(GROUP, 0)
+            vv = v.double().transpose(0, 1).repeat_interleave(GROUP, 0)
+            scores = r(r(q @ kk.transpose(1, 2)) * torch.tensor(SCALE, dtype=torch.float32).item())
+            q_pos = torch.arange(s - q_len, s)[:, None]
+            k_pos = torch.arange(s)[None, :]
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= q_pos - k_pos < window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            sink = self.sinks.double()[:, None, None].expand(-1, q_len, 1)
+            combined = torch.cat([scores, sink], dim=-1)
+            e = torch.exp(r(combined - combined.amax(-1, keepdim=True)))
+            total = e.sum(-1, keepdim=True)
+            if normalise_then_round:
+                o = r(e / total)[..., :-1] @ vv
+            else:
+                o = (r(e)[..., :-1] @ vv) / total
+            out[start : start + q_len] = r(o).transpose(0, 1)
+            start += q_len
+        return out.to(DTYPE)
+
+    def plain(self, window: int | None) -> torch.Tensor:
+        """The plain-torch path, which runs eager attention's own ops (CPU, this dtype)."""
+        return paged_attention_torch(
+            self.q, self.k_cache, self.v_cache, self._cpu_meta(), SCALE,
+            sliding_window=window, sinks=self.sinks,
+        )  # fmt: skip
+
+    def _cpu_meta(self) -> AttentionMetadata:
+        m = self.meta
+        return AttentionMetadata(
+            slot_mapping=m.slot_mapping.cpu(),
+            query_start_loc=m.query_start_loc.cpu(),
+            seq_lens=m.seq_lens.cpu(),
+            block_tables=m.block_tables.cpu(),
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            block_size=m.block_size,
+            query_start_loc_host=m.query_start_loc_host,
+            seq_lens_host=m.seq_lens_host,
+            min_query_len=m.min_query_len,
+        )
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of bit-identical elements."""
+    return (a == b).float().mean().item()
+
+
+def assert_close_where_differing(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Where they differ, by a rounding step of the outputs' scale (near zero a step
+    of a small value is many ulps of it, so the bound is absolute)."""
+    step = torch.finfo(DTYPE).eps * want.double().abs().max()
+    assert (got.double() - want.double()).abs().max() <= 2 * step
+
+
+# (query lengths, sequence lengths): prompts with and without a cached prefix; decodes.
+PREFILL = ([20, 7, 33], [20, 40, 45])
+DECODE = ([1] * 5, [1, 9, 23, 40, 61])
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("lengths", [PREFILL, DECODE], ids=["prefill", "decode"])
+def test_kernel_lands_on_the_reference_rounding(window, lengths):
+    step = Step(*lengths, seed=3)
+    want = step.emulate(window)
+    got = step.kernel(window)
+    assert same(got, want) > 0.995, same(got, want)
+    assert_close_where_differing(got, want)
+    # The emulation is the plain path's (and so eager attention's) sequence.
+    plain = step.plain(window)
+    assert same(plain, want) > 0.995, same(plain, want)
+    # Rounding the unnormalised weights instead moves many outputs: the test tells.
+    assert same(step.emulate(window, normalise_then_round=False), want) < 0.95
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_split_k_decode_lands_on_the_reference_rounding(window):
+    """Every split weights its keys by the whole row's probabilities; the merge adds them."""
+    step = Step(*DECODE, seed=4)
+    want = step.emulate(window)
+    for splits in (1, 2, 3):
+        got = step.kernel(window, splits)
+        assert same(got, want) > 0.995, (splits, same(got, want))
+        assert_close_where_differing(got, want)
