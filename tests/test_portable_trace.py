@@ -14,6 +14,7 @@ from test_cli_entry import moetrace
 
 from moetrace import open_trace
 from moetrace.models.demo import DEMO_DIR
+from moetrace.trace.checked_rows import DamagedTraceError
 
 
 @pytest.fixture
@@ -59,8 +60,10 @@ def test_a_damaged_tokenizer_file_is_reported(moved):
     with h5py.File(trace, "r+") as f:
         ds = f["tokenizer"]["tokenizer.json"]
         ds[10] = ds[10] ^ 0x20
-    with open_trace(trace) as t:
+    with open_trace(trace, verify=False) as t:
         assert t.verify() == ["tokenizer file 'tokenizer.json': checksum mismatch"]
+    with pytest.raises(DamagedTraceError, match="tokenizer file 'tokenizer.json': checksum"):
+        open_trace(trace)  # a reader refuses what verify calls damaged
     proc = moetrace("verify", str(trace))
     assert proc.returncode == 1 and "tokenizer file 'tokenizer.json': checksum mismatch" in (
         proc.stdout + proc.stderr

@@ -7,13 +7,16 @@ case damages a real recorded trace and checks every way of reading it.
 
 from __future__ import annotations
 
+import random
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from reliability_helpers import assert_one_line_error, reference_run, run_cli
+from corruption_helpers import corrupted_copies, read_all_ways
+from reliability_helpers import assert_one_line_error, reference_run, run_cli, write_jsonl
 
 from moetrace import open_trace
 from moetrace.trace.checked_rows import DamagedTraceError
@@ -128,3 +131,51 @@ def test_a_flipped_bit_in_a_json_attribute_is_one_line(tmp_path, pristine):
         for extra in ((), ("--no-verify-checksums",)):
             code, _, err = run_cli(*command, *extra)
             assert_one_line_error(code, err, "t.h5", "damaged")
+
+
+@pytest.fixture(scope="module")
+def demo_trace(tmp_path_factory) -> Path:
+    """A real trace of the demo model: text prompts, its tokenizer files stored inside."""
+    tmp = tmp_path_factory.mktemp("demo")
+    prompts = write_jsonl(
+        tmp / "p.jsonl",
+        [{"id": f"d{i}", "prompt": f"Tell me about expert number {i}."} for i in range(8)]
+        + [{"id": "n2", "prompt": "Two samples", "n": 2, "temperature": 1.0, "seed": 3}],
+    )
+    code, _, err = run_cli(
+        "record", "demo", str(prompts), "-o", str(tmp / "demo.h5"), "-q", "--max-tokens", "5"
+    )
+    assert code == 0, err
+    return tmp / "demo.h5"
+
+
+CORRUPTED = 54  # 6 of each kind: a flipped bit in each region, anywhere, a truncation
+
+
+def test_readers_refuse_every_file_verify_calls_damaged(demo_trace, tmp_path):
+    """For each corrupted copy: verify's verdict and export's and inspect's exit codes agree,
+    in one line and never a traceback, hang or crash.
+
+    The outside attack found export exit 0 on 29 of 53 damaged files and inspect on 15,
+    and tracebacks; a flipped bit in a stored tokenizer file still did both.
+    """
+    assert read_all_ways(demo_trace).verify == "ok"  # the intact file reads everywhere
+    verdicts: Counter = Counter()
+    failures = []
+    for i, (what, data) in enumerate(corrupted_copies(demo_trace, CORRUPTED, random.Random(18))):
+        path = tmp_path / f"c{i}.h5"
+        path.write_bytes(data)
+        readings = read_all_ways(path)
+        verdicts[readings.verify] += 1
+        failures += [f"{what}: {d}" for d in readings.disagreements()]
+        path.unlink()
+    assert not failures, "\n".join(failures)
+    assert verdicts["damaged"] + verdicts["refused"] >= CORRUPTED // 2, verdicts  # aimed flips hit
+
+
+def test_a_trace_with_several_samples_of_a_prompt_is_not_called_damaged(demo_trace):
+    """The samples of one prompt share its id: verify called that "recorded more than once"."""
+    code, out, err = run_cli("verify", str(demo_trace))
+    assert code == 0, out + err
+    with open_trace(demo_trace) as t:
+        assert sorted(t.sample_indices[t.requests["id"] == "n2"].tolist()) == [0, 1]

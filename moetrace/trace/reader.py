@@ -24,6 +24,7 @@ from moetrace.trace.checked_rows import (
     damaged,
     damaged_file,
 )
+from moetrace.trace.file_checks import whole_file_problems
 from moetrace.trace.integrity import expected_num_rows, file_problem, plain_value, request_checksum
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
@@ -161,9 +162,10 @@ class Trace:
             self.num_dropped += len(records) - good
             records = records[:good]
         self._table = records
-        if self.verify_reads:
-            problem = file_problem(f.attrs, records, self.complete)
-            if problem:
+        if self.verify_reads:  # what verify would call damaged is refused here too
+            problems = [file_problem(f.attrs, records, self.complete)]
+            problems += whole_file_problems(f, records, self.complete)
+            if problem := next(filter(None, problems), None):
                 raise damaged_file(self.path, problem)
         self._row_end = records["row_start"] + records["num_rows"]
         self._token_end = records["token_start"] + records["prompt_len"] + records["output_len"]
@@ -495,7 +497,8 @@ class Trace:
     def verify(
         self, *, report_dropped: bool = True, progress: Callable[[], None] | None = None
     ) -> list[str]:
-        """Check offsets, row counts, expert ids and every checksum; one line per problem.
+        """Check offsets, row counts, expert ids, every checksum and what only the whole
+        file tells (``trace/file_checks.py``); one line per problem.
 
         ``report_dropped`` adds a line for tail records left out on open (what a
         killed run leaves; ``moetrace verify`` reports that as incompleteness).
@@ -523,13 +526,7 @@ class Trace:
             # A chunk that cannot be read: check one record at a time to name each one hit.
             found = {i: p for i in range(len(t)) if (p := layout[i] or self._record_problem(t[i]))}
         problems += [f"request {i} ({t[i]['id']!r}): {p}" for i, p in sorted(found.items())]
-        extents = (self._routed.shape[0], self._tokens.shape[0])
-        if self.complete and extents != (self.num_rows, self.num_tokens):
-            problems.append(
-                f"datasets hold {extents[0]} rows and {extents[1]} tokens, "
-                f"records account for {self.num_rows} and {self.num_tokens}"
-            )
-        return problems + tokenizer_files.problems(self._file)
+        return problems + whole_file_problems(self._file, t, self.complete)
 
     def layout_problems(self) -> list[str]:
         """Per record, what is wrong with its counts and offsets ("" if nothing); reads no data."""

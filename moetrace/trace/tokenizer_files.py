@@ -12,10 +12,13 @@ CRC-32 of its bytes (docs/trace-format.md).  Plain h5py reads them back:
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
 import numpy as np
+
+from moetrace.errors import MoetraceError
 
 GROUP = "tokenizer"
 # What decodes ids (tokenizer.json) and what encoded the prompts (its config, chat template).
@@ -47,25 +50,54 @@ def write(f: h5py.File, files: dict[str, bytes]) -> None:
 
 
 def read(f: h5py.File) -> dict[str, bytes]:
-    """The stored files by name; empty for a trace written before they were stored."""
-    group = f.get(GROUP)
-    if not isinstance(group, h5py.Group):
-        return {}
-    return {name: ds[()].tobytes() for name, ds in group.items() if isinstance(ds, h5py.Dataset)}
+    """The stored files by name; empty for a trace written before they were stored.
+
+    A file HDF5 cannot read back (a damaged chunk or link) is one line, naming it.
+    """
+    try:
+        return {name: ds[()].tobytes() for name, ds in _members(f)}
+    except _DAMAGE as exc:
+        raise MoetraceError(
+            f"{f.filename}: its tokenizer files cannot be read, the trace is damaged "
+            f"({_one_line(exc)}); 'moetrace verify' says more"
+        ) from None
 
 
 def problems(f: h5py.File) -> list[str]:
-    """Stored files whose bytes no longer match their CRC-32 (one line each)."""
+    """Stored files that do not read back or no longer match their CRC-32 (one line each)."""
     found = []
-    group = f.get(GROUP)
-    if not isinstance(group, h5py.Group):
-        return found
-    for name, ds in group.items():
+    try:
+        members = list(_members(f))
+    except _DAMAGE as exc:
+        return [f"tokenizer group unreadable: {_one_line(exc)}"]
+    for name, ds in members:
         try:
             data = ds[()].tobytes()
-        except OSError as exc:
-            found.append(f"tokenizer file {name!r} unreadable: {exc}")
+            crc = int(ds.attrs["crc32"]) if "crc32" in ds.attrs else None
+        except _DAMAGE as exc:
+            found.append(f"tokenizer file {name!r} unreadable: {_one_line(exc)}")
             continue
-        if "crc32" in ds.attrs and zlib.crc32(data) != int(ds.attrs["crc32"]):
+        if crc is not None and zlib.crc32(data) != crc:
             found.append(f"tokenizer file {name!r}: checksum mismatch")
     return found
+
+
+# What h5py raises on a damaged group, link or chunk (a dangling link reads as None).
+_DAMAGE = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError)
+
+
+def _members(f: h5py.File) -> Iterator[tuple[str, h5py.Dataset]]:
+    group = f.get(GROUP)
+    if group is None:
+        return
+    if not isinstance(group, h5py.Group):
+        raise TypeError(f"{GROUP!r} is not a group")
+    for name in group:
+        ds = group.get(name)
+        if not isinstance(ds, h5py.Dataset):
+            raise TypeError(f"tokenizer member {name!r} is not a dataset")
+        yield name, ds
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__

@@ -33,9 +33,8 @@ import h5py
 from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import metadata_problem, table_crc_problem
 from moetrace.trace.lock import writer_pid
-from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.reader import Trace
-from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS
+from moetrace.trace.records import REQUESTS
 
 # How a merge of some of a split's shards begins its end_reason (analysis/merge.py).
 PARTIAL_MERGE = "partial merge"
@@ -172,29 +171,22 @@ def _fill(report: VerifyReport, trace: Trace, progress: Callable[[], None] | Non
             f"{trace.num_dropped} record(s) at the end point at data that never reached the "
             "file (killed during a write); they are left out and a resume redoes them"
         )
-    ids = trace.request_ids
-    if len(set(ids)) != len(ids):
-        seen: set[str] = set()
-        dup = next(rid for rid in ids if rid in seen or seen.add(rid))
-        report.problems.append(f"request id {dup!r} is recorded more than once")
-    if trace.complete and report.expected_requests not in (None, trace.num_requests):
-        report.problems.append(
-            f"marked complete with {trace.num_requests} requests, "
-            f"but the run expected {report.expected_requests}"
-        )
     if not trace.complete and report.expected_requests is not None:
         missing = report.expected_requests - trace.num_requests
         report.notes.append(f"{missing} request(s) not recorded yet")
 
 
 def _file_checks(report: VerifyReport, f: h5py.File, trace: Trace) -> None:
-    """Root counts and the table CRC, against the raw table (dropped records included)."""
+    """The metadata and table CRCs, against the raw table (dropped records included).
+
+    Layout attributes, root counts, duplicates and tokenizer files are the
+    reader's own checks (``Trace.verify``, ``trace/file_checks.py``).
+    """
     attrs = f.attrs
     table = f[REQUESTS]
     problem = metadata_problem(attrs)
     if problem:
         report.problems.append(problem)
-    report.problems += _layout_attr_problems(attrs, f[ROUTED_EXPERTS])
     stated = int(attrs.get("num_requests", -1))
     if stated > table.shape[0]:
         report.problems.append(
@@ -202,14 +194,6 @@ def _file_checks(report: VerifyReport, f: h5py.File, trace: Trace) -> None:
             "(table truncated)"
         )
         return
-    if trace.complete:
-        counts = {"num_requests": trace.num_requests, "num_rows": trace.num_rows}
-        counts["num_tokens"] = trace.num_tokens
-        for name, actual in counts.items():
-            if int(attrs.get(name, actual)) != actual:
-                report.problems.append(
-                    f"root attribute {name} is {int(attrs[name])}, the records account for {actual}"
-                )
     if "requests_crc32" in attrs and stated >= 0:
         try:  # an incomplete file's tail may not read at all: the reader left it out
             records = table[:] if trace.complete else table[: trace.num_requests]
@@ -230,30 +214,6 @@ def _file_checks(report: VerifyReport, f: h5py.File, trace: Trace) -> None:
     orphans = trace.num_stored_rows - trace.num_rows
     if not trace.complete and orphans > 0:
         report.notes.append(f"{orphans} row(s) after the last record belong to no request")
-
-
-def _layout_attr_problems(attrs, routed: h5py.Dataset) -> list[str]:
-    """The attributes that describe a row must agree with the rows actually stored."""
-    problems = []
-    layers, top_k = int(attrs.get("num_moe_layers", -1)), int(attrs.get("top_k", -1))
-    if tuple(routed.shape[1:]) != (layers, top_k):
-        problems.append(
-            f"attributes say rows of {layers} layers x top-{top_k}, "
-            f"routed_experts holds {list(routed.shape[1:])}"
-        )
-    indices = attrs.get("moe_layer_indices")
-    if indices is not None and len(indices) != layers:
-        problems.append(f"moe_layer_indices has {len(indices)} entries for {layers} MoE layers")
-    try:
-        narrow = expert_id_dtype(int(attrs.get("num_experts", 0)))
-    except ValueError as exc:
-        return [*problems, f"attribute num_experts: {exc}"]
-    if routed.dtype != narrow or str(attrs.get("expert_id_dtype")) != narrow.name:
-        problems.append(
-            f"expert ids stored as {routed.dtype} (attribute {attrs.get('expert_id_dtype')}), "
-            f"{attrs.get('num_experts')} experts need {narrow}"
-        )
-    return problems
 
 
 # -- guarded run: HDF5 in a child process -------------------------------------------
