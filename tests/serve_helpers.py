@@ -34,14 +34,17 @@ def sglang_decode(encoded: str, num_hidden_layers: int, top_k: int) -> np.ndarra
 class ServerProcess:
     """``moetrace serve`` started as a user starts it; ``url`` once it listens."""
 
-    def __init__(self, *args: str, timeout_s: float = 120.0) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def __init__(
+        self, *args: str, timeout_s: float = 120.0, env: dict | None = None, **popen
+    ) -> None:
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moetrace", "serve", *args, "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            **popen,
         )
         self.lines: list[str] = []
         self._url = threading.Event()

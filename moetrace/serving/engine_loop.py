@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import threading
 import time
 from collections import deque
@@ -35,6 +34,7 @@ from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError
 from moetrace.serving.logprobs import TokenLogprobs, from_request
 from moetrace.serving.timeline import Timeline
+from moetrace.trace.diskspace import is_disk_full
 from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
 
@@ -133,6 +133,8 @@ class EngineLoop:
         self.stats = LoopStats()
         self.timeline = timeline
         self.fatal: str | None = None
+        self.fatal_error: BaseException | None = None
+        self._failure = Failed("the server stopped")
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}
@@ -151,6 +153,8 @@ class EngineLoop:
             self.timeline.arrivals.append(time.monotonic())
         self._inbox.append(("add", handle))
         self._wake.set()
+        if self.fatal is not None:  # no engine thread empties the inbox any more
+            self._fail_inbox()
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -173,16 +177,19 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         timeline = self.timeline
+        # What the engine has to say; _deliver empties it, so what a failure interrupts is
+        # still delivered (requests that ended before a trace write failed get their answers).
+        events: list[tuple[RequestHandle, Event]] = []
         try:
             while True:
                 if timeline is not None:
                     loop_start, loop_cpu = time.monotonic(), time.thread_time()
                     inbox = len(self._inbox)
-                events = self._take_inbox()
+                self._take_inbox(events)
                 if self._stopping and (
                     not engine.has_unfinished() or time.monotonic() >= self._deadline
                 ):
-                    events += self._abort(list(self._live))
+                    self._abort(list(self._live), events)
                     self._deliver(events)
                     return
                 if not engine.has_unfinished():
@@ -202,7 +209,7 @@ class EngineLoop:
                 self.stats.steps += 1
                 # A request that ended this step gets its last tokens with Finished instead.
                 events += self._stream_tokens({f.request_id for f in finished})
-                events += self._ended(finished)
+                self._ended(finished, events)
                 self._deliver(events)
                 if timeline is not None:
                     timeline.step(
@@ -217,28 +224,40 @@ class EngineLoop:
                         len(finished),
                     )
         except BaseException as exc:  # an engine bug or a failed trace write: stop serving
+            # The server says it in one line as it stops (server.py); requests in flight and
+            # any that still arrive get an error answer, never silence or a dropped connection.
             message = " ".join(str(exc).split()) or type(exc).__name__
-            self.fatal = message
-            self._deliver(
-                [
-                    (live.handle, Failed(f"engine stopped: {message}"))
-                    for live in self._live.values()
-                ]
+            self.fatal_error = exc
+            self._failure = Failed(
+                f"the server stopped: {message}", status=507 if is_disk_full(exc) else 500
             )
+            self.fatal = message
+            events += [(live.handle, self._failure) for live in self._live.values()]
+            self._deliver(events)
             self._live.clear()
             self._streaming.clear()
-            print(f"error: engine stopped: {message}", file=sys.stderr, flush=True)
+            self._fail_inbox()
             self.on_fatal(message)
 
-    def _take_inbox(self) -> list[tuple[RequestHandle, Event]]:
+    def _fail_inbox(self) -> None:
+        """After the engine stopped: answer what waits in the inbox with the failure."""
         events: list[tuple[RequestHandle, Event]] = []
+        while True:
+            try:
+                kind, item = self._inbox.popleft()
+            except IndexError:
+                break
+            if kind == "add":
+                events.append((item, self._failure))  # type: ignore[arg-type]
+        self._deliver(events)
+
+    def _take_inbox(self, events: list[tuple[RequestHandle, Event]]) -> None:
         while self._inbox:
             kind, item = self._inbox.popleft()
             if kind == "add":
                 events += self._add(item)  # type: ignore[arg-type]
             else:
-                events += self._abort(item)  # type: ignore[arg-type]
-        return events
+                self._abort(item, events)  # type: ignore[arg-type]
 
     def _add(self, handle: RequestHandle) -> list[tuple[RequestHandle, Event]]:
         req = handle.request
@@ -259,11 +278,10 @@ class EngineLoop:
             self._streaming[req.request_id] = live
         return []
 
-    def _abort(self, request_ids: list[str]) -> list[tuple[RequestHandle, Event]]:
+    def _abort(self, request_ids: list[str], events: list[tuple[RequestHandle, Event]]) -> None:
         live = [rid for rid in request_ids if rid in self._live]
-        if not live:
-            return []
-        return self._ended(self.engine.abort(live))
+        if live:
+            self._ended(self.engine.abort(live), events)
 
     def _stream_tokens(self, ended: set[str]) -> list[tuple[RequestHandle, Event]]:
         events: list[tuple[RequestHandle, Event]] = []
@@ -282,8 +300,10 @@ class EngineLoop:
                 live.sent = n
         return events
 
-    def _ended(self, finished: list[FinishedRequest]) -> list[tuple[RequestHandle, Event]]:
-        events: list[tuple[RequestHandle, Event]] = []
+    def _ended(
+        self, finished: list[FinishedRequest], events: list[tuple[RequestHandle, Event]]
+    ) -> None:
+        """Trace each ended request, then answer it: one the trace refused stays live (failed)."""
         for item in finished:
             if self.writer is not None:
                 self.writer.submit(item)
@@ -296,13 +316,14 @@ class EngineLoop:
                 self.stats.output_tokens += item.output_len
             if live is not None:
                 events.append((live.handle, Finished(item)))
-        return events
 
     def _deliver(self, events: list[tuple[RequestHandle, Event]]) -> None:
+        """Hand ``events`` to the event loop and empty the list."""
         if events and not self.loop.is_closed():
             # The event loop may close meanwhile (shutdown): then nobody is listening.
             with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(_put_all, events)
+                self.loop.call_soon_threadsafe(_put_all, list(events))
+        events.clear()
 
     # ------------------------------------------------------------------ views
     def counts(self) -> dict[str, int]:

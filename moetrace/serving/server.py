@@ -231,6 +231,7 @@ class Server:
                 overwrite=self.overwrite,
                 flush_interval_s=self.flush_interval_s,
                 flush_every_requests=self.flush_every_requests,
+                disk_full_hint="free space and serve again with another --trace-out",
             ).start()
         facts = ModelFacts(
             num_hidden_layers=len(getattr(loaded.model, "layers", [])),

@@ -218,6 +218,7 @@ class TraceWriter:
         expected_requests: int | None = None,
         reserve_bytes: int | None = None,
         lock: TraceLock | None = None,
+        disk_full_hint: str = "free space and rerun with --resume",
     ) -> None:
         if chunk_rows < 1 or flush_every_requests < 1 or queue_size < 1:
             raise ValueError("chunk_rows, flush_every_requests and queue_size must be >= 1")
@@ -236,6 +237,7 @@ class TraceWriter:
         self.keep_requests = keep_requests
         self.expected_requests = expected_requests
         self.reserve_bytes = reserve_from_env() if reserve_bytes is None else reserve_bytes
+        self.disk_full_hint = disk_full_hint  # what to do then (serve has no --resume)
         # The caller's lock on the output (held from its own checks on), else one of our own.
         self._lock = lock
         self._own_lock: TraceLock | None = None
@@ -369,8 +371,8 @@ class TraceWriter:
         if is_disk_full(err):
             raise DiskFullError(
                 f"disk full while writing {self.path} ({one_line_cause(err)}): the "
-                f"{self.flushed_requests} requests flushed before are safe in it; free space "
-                "and rerun with --resume"
+                f"{self.flushed_requests} requests flushed before are safe in it; "
+                f"{self.disk_full_hint}"
             ) from err
         if isinstance(err, (OSError, RuntimeError)):  # what h5py raises for I/O failures
             raise MoetraceError(
