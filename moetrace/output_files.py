@@ -48,7 +48,15 @@ def check_new_output(path: str | os.PathLike, *, overwrite: bool, resume: bool =
     if not parent.is_dir():
         raise MoetraceError(f"cannot write {out}: no such directory {parent}")
     if not os.access(out if out.exists() else parent, os.W_OK):
-        raise MoetraceError(f"cannot write {out}: permission denied")
+        raise MoetraceError(f"cannot write {out}: {_why_not_writable(parent)}")
+
+
+def _why_not_writable(directory: Path) -> str:
+    """A read-only file system said "permission denied" too, which sent users to chmod."""
+    with contextlib.suppress(OSError, AttributeError):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    return "permission denied"
 
 
 @contextlib.contextmanager
