@@ -179,3 +179,22 @@ def test_a_trace_with_several_samples_of_a_prompt_is_not_called_damaged(demo_tra
     assert code == 0, out + err
     with open_trace(demo_trace) as t:
         assert sorted(t.sample_indices[t.requests["id"] == "n2"].tolist()) == [0, 1]
+
+
+def test_an_hdf5_possibly_corrupted_error_is_one_line(demo_trace, tmp_path):
+    """A traceback in the outside attack: HDF5's "possibly corrupted file" on a damaged
+    attribute header.  The size field of one attribute's datatype gets bit 23 set."""
+    raw = bytearray(demo_trace.read_bytes())
+    name = b"num_experts\x00"
+    assert raw.count(name) == 1
+    at = raw.index(name) + len(name)
+    assert raw[at + 4 : at + 12] == bytes.fromhex("1008000008000000")  # int64, 8 bytes
+    raw[at + 10] ^= 0x80
+    path = tmp_path / "t.h5"
+    path.write_bytes(bytes(raw))
+    for command in (["export", str(path)], ["inspect", str(path)], ["verify", str(path)]):
+        for extra in ((), ("--no-verify-checksums",)) if command[0] != "verify" else ((),):
+            code, out, err = run_cli(*command, *extra)
+            text = err if command[0] != "verify" else out + err
+            assert code == 1 and "Traceback" not in text, text
+            assert "possibly corrupted" in text and "damaged" in text, text
