@@ -34,7 +34,10 @@ from reliability_helpers import (
 from moetrace.trace.lock import lock_path
 from moetrace.trace.verify import verify_trace
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root"),
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")

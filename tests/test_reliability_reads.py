@@ -152,6 +152,7 @@ def demo_trace(tmp_path_factory) -> Path:
 CORRUPTED = 54  # 6 of each kind: a flipped bit in each region, anywhere, a truncation
 
 
+@pytest.mark.slow
 def test_readers_refuse_every_file_verify_calls_damaged(demo_trace, tmp_path):
     """For each corrupted copy: verify's verdict and export's and inspect's exit codes agree,
     in one line and never a traceback, hang or crash.

@@ -46,6 +46,7 @@ def _ask(url: str, i: int) -> tuple[int | str, dict]:
         return r.status_code, {"not JSON": r.text[:300]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reserve", [DEFAULT_RESERVE_BYTES, 0], ids=["reserve", "hdf5-fails"])
 def test_serve_on_a_full_disk_answers_every_request_and_keeps_the_trace(tmp_path, reserve):
     with small_disk(tmp_path, reserve, room=230_000) as (target, preexec, how):
