@@ -85,10 +85,7 @@ def test_an_old_trace_can_be_resumed(tmp_path, name):
     expected = expected_requests(name)
     extra = dict(expected[0], request_id="appended", index=len(expected))
     md = TraceMetadata(**legacy_metadata_fields(name))
-    # As `record --resume` does: the run now expects the old requests and the new one.
-    writer = TraceWriter(
-        path, md, append=True, chunk_rows=16, expected_requests=len(expected) + 1
-    ).start()
+    writer = TraceWriter(path, md, append=True, chunk_rows=16).start()
     writer.submit(_finished(extra))
     writer.close()
     with open_trace(path) as trace:

@@ -575,8 +575,9 @@ class TraceWriter:
                 requests_crc32=self._table_crc,
                 resumes=json.dumps(resumes, sort_keys=True),
             )
-            if self.expected_requests is not None:
-                f.attrs["expected_requests"] = self.expected_requests
+            # An appending run that does not say how many it expects makes the old count stale.
+            expected = self.expected_requests
+            f.attrs["expected_requests"] = -1 if expected is None else expected
             f.flush()
             ends = {ROWS: row_end, TOKENS: token_end}
             self._appenders = {
