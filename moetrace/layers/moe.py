@@ -128,8 +128,13 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # Steps of up to this many tokens route through the fused Triton kernels where a
 # layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``);
 # larger ones (prefill) through the torch ops.  Decided by the step's size, so a
-# captured graph always holds one path.  Off until verified on the H200
-# (``tests/test_gpu_routing.py``): ``MOETRACE_FUSED_ROUTING=1`` turns it on.
+# captured graph always holds one path.  Off by default: on the H200 its ids and
+# weights match torch's CUDA ops wherever the choice is unambiguous
+# (``tests/test_gpu_routing.py``), but on tied bf16 router logits it takes the lower
+# index where ``torch.topk`` may not, so the bf16 teacher-forced check against
+# transformers' router (``tests/test_gpu_engine.py``) fails with it on; and it saved
+# only 0.1 ms of a 12 ms DeepSeek-V2-Lite step (docs/benchmarks.md).
+# ``MOETRACE_FUSED_ROUTING=1`` turns it on.
 FUSED_ROUTING_MAX_TOKENS = 1024 if os.environ.get("MOETRACE_FUSED_ROUTING") == "1" else 0
 
 
