@@ -75,6 +75,15 @@ def test_version_and_help_exit_0():
     assert proc.returncode == 0 and "TRACE" in proc.stdout
 
 
+def test_help_keeps_the_shapes_it_names():
+    """Help is rich markup: an unescaped ``[name]`` in a docstring is eaten as a tag."""
+    proc = moetrace("export", "--help")
+    text = " ".join(proc.stdout.split())  # the help is wrapped to the terminal's width
+    assert proc.returncode == 0
+    assert "[num_moe_layers, num_experts]" in text
+    assert "[windows, layers, experts]" in text
+
+
 @pytest.mark.parametrize(
     "args",
     [

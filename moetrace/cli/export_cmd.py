@@ -63,15 +63,15 @@ def export_command(
         help="Do not check each request's checksum as it is read (faster; damage goes unseen).",
     ),
 ) -> None:
-    """Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
+    r"""Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
 
     Each JSON line has id, sample_index, index, finish_reason, prompt_token_ids,
     output_token_ids and routed_experts: base64 of the .npy bytes (as vLLM and
     SGLang send it), with shape and dtype.  Decode with
     np.load(io.BytesIO(base64.b64decode(line["routed_experts"]))).
     Parquet has one row per request (pandas, datasets, Arrow read it).
-    eplb writes the [num_moe_layers, num_experts] token-expert counts of the
-    selection (EPLB's weight) as JSON, eplb-npy as .npy ([windows, layers,
+    eplb writes the \[num_moe_layers, num_experts] token-expert counts of the
+    selection (EPLB's weight) as JSON, eplb-npy as .npy (\[windows, layers,
     experts] with --window-tokens).  Binary formats go to standard output only
     when it is not a terminal.
 
