@@ -21,11 +21,14 @@ import math
 
 import pytest
 import torch
-from triton_helpers import DEVICE, INTERPRET, KERNEL_TEST_MARKS
 
-from moetrace.forward_context import AttentionMetadata
-from moetrace.kernels import triton_attention
-from moetrace.layers.attention import paged_attention_torch
+pytest.importorskip("triton")
+
+from triton_helpers import DEVICE, INTERPRET, KERNEL_TEST_MARKS  # noqa: E402
+
+from moetrace.forward_context import AttentionMetadata  # noqa: E402
+from moetrace.kernels import triton_attention  # noqa: E402
+from moetrace.layers.attention import paged_attention_torch  # noqa: E402
 
 pytestmark = KERNEL_TEST_MARKS
 DTYPE = torch.float16 if INTERPRET else torch.bfloat16
