@@ -143,15 +143,22 @@ def run_torchrun_worker(parallel: ParallelConfig, device: str) -> None:
         leave_group()
 
 
-def _spawned_worker(
-    parallel: ParallelConfig, rank: int, device_type: str, init_method: str, parent: int
-) -> None:
-    def watch_parent() -> None:  # an orphan would wait in a collective until the timeout
+def exit_when_orphaned(parent: int) -> None:
+    """Leave as soon as ``parent`` is gone: an orphan would wait in a collective until the
+    timeout, or hold a device loading weights nobody will use."""
+
+    def watch_parent() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
         os._exit(1)
 
     threading.Thread(target=watch_parent, name="moetrace-parent-watch", daemon=True).start()
+
+
+def _spawned_worker(
+    parallel: ParallelConfig, rank: int, device_type: str, init_method: str, parent: int
+) -> None:
+    exit_when_orphaned(parent)
     # Ctrl-C reaches the whole process group: rank 0 alone decides when to stop (at a step
     # boundary, file closed), then kills the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

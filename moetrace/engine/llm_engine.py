@@ -25,6 +25,16 @@ from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.records import FinishedRequest, OutputLogprobs
 
 
+def check_capacity(tokens: int, block_size: int, num_blocks: int) -> None:
+    """Refuse a request whose KV (``tokens`` of it) could never fit ``num_blocks`` blocks."""
+    blocks = -(-tokens // block_size)
+    if blocks > num_blocks:
+        raise CapacityError(
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens; one "
+            f"request needs {blocks} (raise --num-kv-blocks or lower max_tokens)"
+        )
+
+
 class RequestRejected(MoetraceError):
     """A request that can never run; ``field`` names the offending input field."""
 
@@ -178,13 +188,7 @@ class LLMEngine:
 
     def _check_capacity(self, tokens: int) -> None:
         """Refuse a request whose KV (``tokens`` of it) could never fit the cache."""
-        bs = self.config.block_size
-        blocks = -(-tokens // bs)
-        if blocks > self.block_manager.num_blocks:
-            raise CapacityError(
-                f"the KV cache holds {self.block_manager.num_blocks} blocks of {bs} tokens; one "
-                f"request needs {blocks} (raise --num-kv-blocks or lower max_tokens)"
-            )
+        check_capacity(tokens, self.config.block_size, self.block_manager.num_blocks)
 
     def add_request(
         self,

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.engine.request import Request
@@ -37,6 +38,9 @@ from moetrace.serving.timeline import Timeline
 from moetrace.trace.diskspace import is_disk_full
 from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
+
+if TYPE_CHECKING:
+    from moetrace.serving.remote_engine import RemoteEngine
 
 
 @dataclass
@@ -119,7 +123,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | RemoteEngine,
         loop: asyncio.AbstractEventLoop,
         *,
         writer: TraceWriter | None = None,
@@ -143,6 +147,8 @@ class EngineLoop:
         self._stopping = False
         self._deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="moetrace-engine", daemon=True)
+        # An engine in another process sends tokens only for the requests that stream.
+        self._remote = getattr(engine, "takes_stream_flag", False)
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -160,6 +166,10 @@ class EngineLoop:
         if request_ids:
             self._inbox.append(("abort", list(request_ids)))
             self._wake.set()
+
+    def has_news(self) -> bool:
+        """Adds, aborts or a stop wait for the engine thread (a remote step returns for them)."""
+        return bool(self._inbox) or self._stopping
 
     @property
     def alive(self) -> bool:
@@ -206,7 +216,7 @@ class EngineLoop:
                 finished = engine.step()
                 if timeline is not None:
                     step_end, step_cpu = time.monotonic(), time.thread_time() - step_cpu
-                self.stats.steps += 1
+                self.stats.steps += getattr(finished, "steps", 1)  # a remote engine says
                 # A request that ended this step gets its last tokens with Finished instead.
                 events += self._stream_tokens({f.request_id for f in finished})
                 self._ended(finished, events)
@@ -265,8 +275,9 @@ class EngineLoop:
             return [(handle, Failed("the server is shutting down", status=503))]
         try:
             (request,) = self.engine.add_request(  # one sample: the server fans n out itself
-                req.request_id, req.prompt_token_ids, req.sampling, index=self._index
-            )
+                req.request_id, req.prompt_token_ids, req.sampling, index=self._index,
+                **({"stream": req.stream} if self._remote else {}),
+            )  # fmt: skip
         except RequestRejected as exc:
             return [(handle, Failed(exc.problem, status=400, field=exc.field))]
         except CapacityError as exc:

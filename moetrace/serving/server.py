@@ -19,13 +19,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import uvicorn
 
 from moetrace import __version__
 from moetrace.config import EngineConfig
+from moetrace.engine.llm_engine import LLMEngine
 from moetrace.errors import MoetraceError
 from moetrace.models.demo import model_dir
 from moetrace.models.loader import read_config
@@ -40,8 +41,11 @@ from moetrace.run_setup import (
 from moetrace.serving.app import create_app
 from moetrace.serving.context import ModelFacts, ServingContext, generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
+from moetrace.serving.engine_process import EngineSpec
+from moetrace.serving.remote_engine import RemoteEngine
 from moetrace.serving.timeline import Timeline, timeline_path
 from moetrace.signals import signal_name
+from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.writer import TraceWriter
 
 KEEP_ALIVE_S = 65  # seconds an idle keep-alive connection stays open
@@ -149,6 +153,7 @@ class Server:
         generation_config: str = "auto",
         log_level: str = "warning",
         extra_settings: dict | None = None,
+        engine_in_process: bool = False,
     ) -> None:
         engine.validate()
         if shutdown_timeout_s < 0:
@@ -175,6 +180,7 @@ class Server:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.log_level = log_level
         self.extra_settings = dict(extra_settings or {})
+        self.engine_in_process = engine_in_process
         if self.trace_out is not None:
             self._check_trace_out(self.trace_out)
         # Capture costs nothing to skip when nobody reads the rows.
@@ -203,10 +209,69 @@ class Server:
 
     def run(self, on_ready: Callable[[str], None] | None = None) -> ServeResult:
         """Load, serve until stopped, close; ``on_ready`` gets the URL once it listens."""
+        timeline_out = timeline_path()
+        timeline = Timeline() if timeline_out is not None else None
+        if self.engine_in_process:
+            engine, facts, eos, metadata = self._engine_here()
+        else:
+            engine, facts, eos, metadata = self._engine_process(timeline)
+        try:
+            return self._run(engine, facts, eos, metadata, timeline, timeline_out, on_ready)
+        finally:
+            if isinstance(engine, RemoteEngine):
+                engine.close()
+
+    def _engine_here(self) -> tuple[LLMEngine, ModelFacts, tuple[int, ...], TraceMetadata | None]:
+        """The engine in this process (``--engine-in-process``, tensor parallelism)."""
         ready = load_engine(self)
-        loaded, engine, eos = ready.loaded, ready.engine, ready.eos_token_ids
-        writer = None
+        loaded, engine = ready.loaded, ready.engine
+        metadata = None
         if self.trace_out is not None:
+            metadata = model_metadata(
+                self.model_name,
+                engine,
+                loaded.model.architecture,
+                loaded.config_digest,
+                self.tokenizer,
+                {},
+            )
+        facts = ModelFacts(
+            num_hidden_layers=len(getattr(loaded.model, "layers", [])),
+            moe_layer_indices=list(loaded.model.moe_layer_indices),
+            num_experts=loaded.model.num_experts,
+            top_k=loaded.model.top_k,
+            vocab_size=loaded.model.vocab_size,
+        )
+        return engine, facts, tuple(ready.eos_token_ids), metadata
+
+    def _engine_process(
+        self, timeline: Timeline | None
+    ) -> tuple[RemoteEngine, ModelFacts, tuple[int, ...], TraceMetadata | None]:
+        """The engine in a process of its own (engine_process.py says why)."""
+        spec = EngineSpec(
+            model_name=self.model_name,
+            device=self.device.type,
+            dtype=self.dtype,
+            load_format=self.load_format,
+            engine_config=self.engine_config,
+            metadata=self.trace_out is not None,
+            timeline=timeline is not None,
+            switch_interval_s=self.switch_interval_s,
+        )
+        engine = RemoteEngine(spec, timeline)
+        ready = engine.ready
+        facts = ModelFacts(
+            num_hidden_layers=ready.num_hidden_layers,
+            moe_layer_indices=list(ready.moe_layer_indices),
+            num_experts=ready.num_experts,
+            top_k=ready.top_k,
+            vocab_size=ready.vocab_size,
+        )
+        return engine, facts, ready.eos_token_ids, ready.metadata
+
+    def _run(self, engine, facts, eos, metadata, timeline, timeline_out, on_ready) -> ServeResult:
+        writer = None
+        if metadata is not None and self.trace_out is not None:
             settings = {
                 **self.engine_config.to_dict(),
                 "device": self.device.type,
@@ -217,34 +282,21 @@ class Server:
                 "sampling_defaults": self.sampling_defaults,
                 **self.extra_settings,
             }
-            metadata = model_metadata(
-                self.model_name,
-                engine,
-                loaded.model.architecture,
-                loaded.config_digest,
-                self.tokenizer,
-                settings,
-            )
             writer = TraceWriter(
                 self.trace_out,
-                metadata,
+                replace(metadata, engine_settings=settings),
                 overwrite=self.overwrite,
                 flush_interval_s=self.flush_interval_s,
                 flush_every_requests=self.flush_every_requests,
                 disk_full_hint="free space and serve again with another --trace-out",
             ).start()
-        facts = ModelFacts(
-            num_hidden_layers=len(getattr(loaded.model, "layers", [])),
-            moe_layer_indices=list(loaded.model.moe_layer_indices),
-            num_experts=loaded.model.num_experts,
-            top_k=loaded.model.top_k,
-            vocab_size=loaded.model.vocab_size,
-        )
         result = ServeResult(trace=self.trace_out)
         sys.setswitchinterval(self.switch_interval_s)
         start = time.monotonic()
         try:
-            asyncio.run(self._serve(engine, writer, facts, eos, result, on_ready))
+            asyncio.run(
+                self._serve(engine, writer, facts, eos, result, on_ready, timeline, timeline_out)
+            )
         finally:
             result.elapsed_s = time.monotonic() - start
             if writer is not None:
@@ -256,7 +308,9 @@ class Server:
             raise MoetraceError(f"the server stopped: {result.fatal}")
         return result
 
-    async def _serve(self, engine, writer, facts, eos, result: ServeResult, on_ready) -> None:
+    async def _serve(
+        self, engine, writer, facts, eos, result: ServeResult, on_ready, timeline, timeline_out
+    ) -> None:
         loop = asyncio.get_running_loop()
         config = uvicorn.Config(
             None,  # the app is set below, once the context exists
@@ -294,9 +348,12 @@ class Server:
         def fatal(message: str) -> None:
             loop.call_soon_threadsafe(setattr, server, "should_exit", True)
 
-        timeline_out = timeline_path()
-        timeline = Timeline() if timeline_out is not None else None
-        engine_loop = EngineLoop(engine, loop, writer=writer, on_fatal=fatal, timeline=timeline)
+        remote = isinstance(engine, RemoteEngine)  # it keeps the timeline of its steps itself
+        engine_loop = EngineLoop(
+            engine, loop, writer=writer, on_fatal=fatal, timeline=None if remote else timeline
+        )
+        if remote:
+            engine.has_news = engine_loop.has_news
         ctx = ServingContext(
             loop=engine_loop,
             tokenizer=self.tokenizer,
