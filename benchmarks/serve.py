@@ -139,6 +139,8 @@ class Server:
         ]  # fmt: skip
         if args.enforce_eager:
             cmd.append("--enforce-eager")
+        if args.engine_in_process:
+            cmd.append("--engine-in-process")
         if not args.no_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if trace is not None:
@@ -364,6 +366,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--warmup-tokens", type=int, default=2)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--engine-in-process", action="store_true",
+        help="serve with the engine in a thread of the HTTP process (the one-GIL layout)",
+    )  # fmt: skip
     parser.add_argument("--no-routed-experts", action="store_true", help="serve without them")
     parser.add_argument("--trace-out", action="store_true", help="serve with --trace-out too")
     parser.add_argument("--modes", default="serve,record", help="serve, record or both")
@@ -404,7 +410,8 @@ def main() -> None:
         results["one_gil_bound"] = bound
         print(
             f"one-GIL bound: {bound:.3f} (record's time over record's time plus the event loop's "
-            "CPU: what serve reaches at best while engine and HTTP share one GIL)",
+            "CPU: what serve reaches at best while engine and HTTP share one GIL, i.e. with "
+            f"--engine-in-process{'' if args.engine_in_process else '; this run had a process each'})",
             flush=True,
         )
     if args.out:
