@@ -297,12 +297,14 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ ending
     def close(self, timeout_s: float = STOP_S) -> None:
-        """Close the command pipe (the child ends its loop and exits); kill it if it hangs."""
+        """Close the pipes (the child ends its loop and exits); kill it if it hangs.
+
+        Both ends first: a child blocked writing results nobody reads gets a broken pipe."""
         self._forget_cleanup()
         self._commands.close()
+        self._results.close()
         self._proc.join(timeout_s)
         self.kill()
-        self._results.close()
 
     def kill(self) -> None:
         if self._proc.is_alive():
