@@ -45,7 +45,13 @@ def _wait_running(srv: ServerProcess, timeout_s: float = 60.0) -> None:
 def test_a_killed_engine_fails_requests_with_500_and_stops_the_server(tmp_path):
     trace = tmp_path / "t.h5"
     srv = ServerProcess(
-        "demo", "--device", "cpu", "--enable-return-routed-experts", "--trace-out", str(trace)
+        "demo",
+        "--device",
+        "cpu",
+        "--engine-process",
+        "--enable-return-routed-experts",
+        "--trace-out",
+        str(trace),
     )
     try:
         done = httpx.post(
@@ -82,7 +88,7 @@ def test_a_killed_engine_fails_requests_with_500_and_stops_the_server(tmp_path):
 
 
 def test_an_engine_killed_while_idle_stops_the_server():
-    srv = ServerProcess("demo", "--device", "cpu")
+    srv = ServerProcess("demo", "--device", "cpu", "--engine-process")
     try:
         child = engine_process(srv.proc.pid)
         os.kill(child, signal.SIGKILL)
@@ -96,7 +102,13 @@ def test_an_engine_killed_while_idle_stops_the_server():
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_group_stops_both_processes_and_leaves_none(sig):
     srv = ServerProcess(
-        "demo", "--device", "cpu", "--shutdown-timeout", "0.5", start_new_session=True
+        "demo",
+        "--device",
+        "cpu",
+        "--engine-process",
+        "--shutdown-timeout",
+        "0.5",
+        start_new_session=True,
     )
     try:
         below = descendants(srv.proc.pid)
@@ -114,17 +126,17 @@ def test_a_signal_to_the_group_stops_both_processes_and_leaves_none(sig):
     assert gone([srv.proc.pid, *below]), "a process of the server outlived it"
 
 
-def test_engine_in_process_serves_what_record_writes(tmp_path):
+@pytest.mark.parametrize("layout", [["--engine-in-process"], []], ids=["flag", "default"])
+def test_engine_in_process_serves_what_record_writes(tmp_path, layout):
+    """The thread layout is the default until the process split has run on a GPU."""
     prompt = "the experts route this token"
     recorded = record_demo(tmp_path, [{"id": "p", "prompt": prompt}], 8)["p"]
-    srv = ServerProcess(
-        "demo", "--device", "cpu", "--enable-return-routed-experts", "--engine-in-process"
-    )
+    srv = ServerProcess("demo", "--device", "cpu", "--enable-return-routed-experts", *layout)
     try:
         assert not any(
             b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
             for pid in descendants(srv.proc.pid)
-        ), "--engine-in-process started an engine process"
+        ), f"{layout or 'the default'} started an engine process"
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
         choice = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     finally:

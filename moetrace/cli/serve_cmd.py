@@ -52,11 +52,12 @@ def serve_command(
         "--shutdown-timeout",
         help="Seconds requests in flight get to finish after SIGINT/SIGTERM; then they are aborted.",
     ),
-    engine_in_process: bool = typer.Option(
+    engine_process: bool = typer.Option(
         False,
-        "--engine-in-process",
-        help="Step the engine in a thread of the HTTP process instead of a process of its own "
-        "(slower: both share one GIL; docs/serving.md). Tensor parallelism always does.",
+        "--engine-process/--engine-in-process",
+        help="Step the engine in a process of its own instead of a thread of the HTTP process "
+        "(no shared GIL; not yet measured on a GPU, docs/serving.md). Tensor parallelism "
+        "always steps in the HTTP process.",
     ),
     uvicorn_log_level: str = typer.Option(
         "warning", "--uvicorn-log-level", help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}."
@@ -156,7 +157,7 @@ def serve_command(
             log_level=uvicorn_log_level,
             extra_settings=parallel_settings(parallel),
             # Rank 0 of a tensor-parallel group is this process (the driver joined it).
-            engine_in_process=engine_in_process or parallel.enabled,
+            engine_in_process=not engine_process or parallel.enabled,
         )
         driver.start(worker_spec(server))
         try:

@@ -115,7 +115,10 @@ class RemoteEngine:
             target=child_main,
             args=(spec, commands_r, results_w, os.getpid()),
             name="moetrace-engine",
-            daemon=True,
+            # Not daemonic: on CUDA the engine forks Triton compile workers at start-up,
+            # which a daemonic process may not (the H200 run refused it).  close() and
+            # kill() end it; it also leaves by itself when its pipe or parent goes.
+            daemon=False,
         )
         # Blocked across the spawn so a Ctrl-C to the process group cannot interrupt the
         # child before it ignores them; what arrives meanwhile is delivered here after.

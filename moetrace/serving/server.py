@@ -153,7 +153,7 @@ class Server:
         generation_config: str = "auto",
         log_level: str = "warning",
         extra_settings: dict | None = None,
-        engine_in_process: bool = False,
+        engine_in_process: bool = True,
     ) -> None:
         engine.validate()
         if shutdown_timeout_s < 0:
