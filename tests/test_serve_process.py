@@ -144,3 +144,29 @@ def test_engine_in_process_serves_what_record_writes(tmp_path, layout):
     assert choice["token_ids"] == recorded["output"]
     rows = vllm_decode(choice["routed_experts"])[:, DEMO_MOE_LAYERS]
     np.testing.assert_array_equal(rows, recorded["rows"])
+
+
+def test_the_engine_process_may_start_processes_of_its_own():
+    """On CUDA the engine forks Triton's compile workers while it loads; a daemonic
+    process may not have children, and the first H200 start failed on exactly that."""
+    from moetrace.config import EngineConfig
+    from moetrace.serving.engine_process import EngineSpec
+    from moetrace.serving.remote_engine import RemoteEngine
+
+    spec = EngineSpec(
+        model_name="demo",
+        device="cpu",
+        dtype="auto",
+        load_format="auto",
+        engine_config=EngineConfig(num_kv_blocks=16),
+        metadata=False,
+        timeline=False,
+        switch_interval_s=0.005,
+    )
+    engine = RemoteEngine(spec)
+    try:
+        assert engine.ready.num_blocks == 16
+        assert not engine._proc.daemon
+    finally:
+        engine.close()
+    assert gone([engine._proc.pid]), "the engine process outlived close()"
