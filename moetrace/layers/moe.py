@@ -329,21 +329,10 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         prepared, self._prepared = self._prepared, None
-        if prepared is not None:
-            if prepared.ids is not ids or prepared.weights is not weights:
-                raise RuntimeError("routing: the experts got other ids or weights than prepared")
-            from moetrace.kernels.triton_moe import moe_forward
-
-            return moe_forward(
-                x,
-                self.w13,
-                self.w2,
-                weights,
-                ids,
-                activation=self.activation,
-                aligned=prepared.aligned,
-                weights_f32=prepared.weights_f32,
-            )
+        if prepared is not None and (prepared.ids is not ids or prepared.weights is not weights):
+            raise RuntimeError("routing: the experts got other ids or weights than prepared")
+        # A prepared call's routing kernel wrote the capture already (route_fused refuses
+        # a pending one), so this finds none then.
         capture, capture_weights = self._take_capture(ids, weights)
         if self.use_triton:
             from moetrace.kernels.triton_moe import moe_forward
@@ -358,6 +347,8 @@ class MoEExperts(nn.Module):
                 capture=capture,
                 extras=self._kernel_extras(),
                 capture_weights=capture_weights,
+                aligned=None if prepared is None else prepared.aligned,
+                weights_f32=None if prepared is None else prepared.weights_f32,
             )
         if capture is not None:
             capture.copy_(ids)
