@@ -59,6 +59,66 @@ def padded_rows_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
+class AlignWork(NamedTuple):
+    """An alignment's outputs and its per-expert cursor, carved from one int32 allocation,
+    with the arguments every planning kernel takes (``_align_plan_kernel`` and the
+    one-launch ``_align_small_kernel`` of ``kernels/triton_routing.py``)."""
+
+    ids: torch.Tensor
+    sorted_pair_ids: torch.Tensor
+    block_expert_ids: torch.Tensor
+    cursor: torch.Tensor
+    num_rows_padded: torch.Tensor
+    num_experts: int
+    block_m: int
+
+    @classmethod
+    def allocate(cls, ids: torch.Tensor, num_experts: int, block_m: int) -> AlignWork:
+        rows = padded_rows_bound(ids.numel(), num_experts, block_m)
+        num_blocks = rows // block_m
+        experts_p2 = triton.next_power_of_2(num_experts)
+        work = torch.empty(rows + num_blocks + experts_p2 + 1, dtype=torch.int32, device=ids.device)
+        return cls(
+            ids,
+            work[:rows],
+            work[rows : rows + num_blocks],
+            work[rows + num_blocks : rows + num_blocks + experts_p2],
+            work[-1:],
+            num_experts,
+            block_m,
+        )
+
+    def plan_args(self) -> tuple:
+        """The planning kernels' leading arguments, in their order."""
+        rows = self.sorted_pair_ids.numel()
+        return (
+            self.ids,
+            self.cursor,
+            self.block_expert_ids,
+            self.num_rows_padded,
+            self.sorted_pair_ids,
+            self.ids.numel(),
+            self.num_experts,
+            rows // self.block_m,
+            rows,
+        )
+
+    def plan_meta(self) -> dict:
+        """The planning kernels' shared compile-time arguments and launch width."""
+        experts_p2 = self.cursor.numel()
+        return {
+            "BLOCK_M": self.block_m,
+            "EXPERTS_P2": experts_p2,
+            "BLOCK_B": max(16, 8192 // experts_p2),
+            "num_warps": 8,
+        }
+
+    def aligned(self) -> AlignedRouting:
+        return AlignedRouting(
+            self.sorted_pair_ids, self.block_expert_ids, self.num_rows_padded, self.block_m
+        )
+
+
 # Sizes that follow the step's token count are not specialised on (divisibility by 16,
 # equality to 1): each step size would otherwise compile its own variant mid-run.
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "num_rows"])
@@ -178,34 +238,13 @@ def align_routing(
             raise ValueError("a weights capture needs the [T, k] weights")
         topk_weights = topk_weights.contiguous()
     num_pairs = ids.numel()
-    rows = padded_rows_bound(num_pairs, num_experts, block_m)
-    num_blocks = rows // block_m
-    experts_p2 = triton.next_power_of_2(num_experts)
-    work = torch.empty(rows + num_blocks + experts_p2 + 1, dtype=torch.int32, device=ids.device)
-    sorted_pair_ids = work[:rows]
-    block_expert_ids = work[rows : rows + num_blocks]
-    cursor = work[rows + num_blocks : rows + num_blocks + experts_p2]
-    num_rows_padded = work[-1:]
-    _align_plan_kernel[(1,)](
-        ids,
-        cursor,
-        block_expert_ids,
-        num_rows_padded,
-        sorted_pair_ids,
-        num_pairs,
-        num_experts,
-        num_blocks,
-        rows,
-        BLOCK_M=block_m,
-        EXPERTS_P2=experts_p2,
-        CHUNK=1024,
-        BLOCK_B=max(16, 8192 // experts_p2),
-        num_warps=8,
-    )
+    work = AlignWork.allocate(ids, num_experts, block_m)
+    _align_plan_kernel[(1,)](*work.plan_args(), CHUNK=1024, **work.plan_meta())
     chunk = 256
+    sorted_pair_ids = work.sorted_pair_ids
     _align_scatter_kernel[(triton.cdiv(num_pairs, chunk),)](
         ids,
-        cursor,
+        work.cursor,
         sorted_pair_ids,
         sorted_pair_ids if capture is None else capture,
         sorted_pair_ids if capture_weights is None else topk_weights,
@@ -219,7 +258,7 @@ def align_routing(
         CHUNK=chunk,
         num_warps=4,
     )
-    return AlignedRouting(sorted_pair_ids, block_expert_ids, num_rows_padded, block_m)
+    return work.aligned()
 
 
 def align_routing_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moetrace.kernels.triton_moe import AlignedRouting, align_routing, padded_rows_bound
+from moetrace.kernels.triton_moe import AlignedRouting, AlignWork, align_routing
 from moetrace.kernels.triton_rounding import round_to
 
 # Scoring rules the kernel computes (the families' rules in ``layers/moe.py``).
@@ -254,32 +254,9 @@ def _align_small_kernel(
 
 def align_small(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
     """``align_routing``'s layout (without capture) in one launch; int32 ``ids`` ``[T, k]``."""
-    num_pairs = ids.numel()
-    rows = padded_rows_bound(num_pairs, num_experts, block_m)
-    num_blocks = rows // block_m
-    experts_p2 = triton.next_power_of_2(num_experts)
-    work = torch.empty(rows + num_blocks + experts_p2 + 1, dtype=torch.int32, device=ids.device)
-    sorted_pair_ids = work[:rows]
-    block_expert_ids = work[rows : rows + num_blocks]
-    cursor = work[rows + num_blocks : rows + num_blocks + experts_p2]
-    num_rows_padded = work[-1:]
-    _align_small_kernel[(1,)](
-        ids,
-        cursor,
-        block_expert_ids,
-        num_rows_padded,
-        sorted_pair_ids,
-        num_pairs,
-        num_experts,
-        num_blocks,
-        rows,
-        BLOCK_M=block_m,
-        EXPERTS_P2=experts_p2,
-        CHUNK=512,
-        BLOCK_B=max(16, 8192 // experts_p2),
-        num_warps=8,
-    )
-    return AlignedRouting(sorted_pair_ids, block_expert_ids, num_rows_padded, block_m)
+    work = AlignWork.allocate(ids, num_experts, block_m)
+    _align_small_kernel[(1,)](*work.plan_args(), CHUNK=512, **work.plan_meta())
+    return work.aligned()
 
 
 def route(
