@@ -73,6 +73,26 @@ class EngineStats:
     preemptions: int = 0
 
 
+def refuse_request(
+    prompt_token_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+    has_tokenizer: bool,
+) -> None:
+    """Refuse, before any work, a request that could never complete: the engine's rule,
+    also applied by the server's handle on an engine in another process."""
+    problem = request_problem(prompt_token_ids, sampling.max_tokens, vocab_size, max_model_len)
+    if problem is not None:
+        raise RequestRejected(*problem)
+    check_capacity(len(prompt_token_ids) + sampling.max_tokens - 1, block_size, num_blocks)
+    if sampling.stop and not has_tokenizer:
+        raise RequestRejected("stop", "stop strings need the model's tokenizer (tokenizer.json)")
+
+
 def request_problem(
     prompt_token_ids: list[int], max_tokens: int, vocab_size: int, max_model_len: int
 ) -> tuple[str, str] | None:
@@ -179,12 +199,15 @@ class LLMEngine:
     # --------------------------------------------------------------- requests
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Refuse, before any work, a request that could never complete."""
-        problem = request_problem(
-            prompt_token_ids, sampling.max_tokens, self.model.vocab_size, self.max_model_len
+        refuse_request(
+            prompt_token_ids,
+            sampling,
+            vocab_size=self.model.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_blocks=self.block_manager.num_blocks,
+            has_tokenizer=self.tokenizer is not None,
         )
-        if problem is not None:
-            raise RequestRejected(*problem)
-        self._check_capacity(len(prompt_token_ids) + sampling.max_tokens - 1)
 
     def _check_capacity(self, tokens: int) -> None:
         """Refuse a request whose KV (``tokens`` of it) could never fit the cache."""
@@ -207,10 +230,6 @@ class LLMEngine:
         if request_id in self._samples:
             raise RequestRejected("id", f"duplicate request id {request_id!r}")
         self.check_request(prompt_token_ids, sampling)
-        if sampling.stop and self.tokenizer is None:
-            raise RequestRejected(
-                "stop", "stop strings need the model's tokenizer (tokenizer.json)"
-            )
         n = sampling.n
         chosen = range(n) if samples is None else sorted(set(samples))
         if not chosen or not all(0 <= i < n for i in chosen):

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moetrace.engine.llm_engine import RequestRejected, check_capacity, request_problem
+from moetrace.engine.llm_engine import RequestRejected, refuse_request
 from moetrace.engine.request import TokenLogprob
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import MoetraceError
@@ -158,15 +158,14 @@ class RemoteEngine:
     # ------------------------------------------------------------ the engine's calls
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """What ``LLMEngine.check_request`` refuses, refused here with the same words."""
-        problem = request_problem(
-            prompt_token_ids, sampling.max_tokens, self.ready.vocab_size, self.max_model_len
-        )
-        if problem is not None:
-            raise RequestRejected(*problem)
-        check_capacity(
-            len(prompt_token_ids) + sampling.max_tokens - 1,
-            self.ready.block_size,
-            self.ready.num_blocks,
+        refuse_request(
+            prompt_token_ids,
+            sampling,
+            vocab_size=self.ready.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.ready.block_size,
+            num_blocks=self.ready.num_blocks,
+            has_tokenizer=self.ready.has_tokenizer,
         )
 
     def add_request(
@@ -181,10 +180,6 @@ class RemoteEngine:
         if request_id in self._pending:
             raise RequestRejected("id", f"duplicate request id {request_id!r}")
         self.check_request(prompt_token_ids, sampling)
-        if sampling.stop and not self.ready.has_tokenizer:
-            raise RequestRejected(
-                "stop", "stop strings need the model's tokenizer (tokenizer.json)"
-            )
         request = RemoteRequest(request_id, sampling)
         self._send(("add", request_id, list(prompt_token_ids), sampling, index, stream))
         self._pending[request_id] = request if stream else None
