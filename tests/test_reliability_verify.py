@@ -64,6 +64,21 @@ def test_partial_trace_is_incomplete_not_damaged(tmp_path):
     assert "--resume" in out
 
 
+def test_rows_a_cut_flush_left_behind_are_counted(tmp_path):
+    """Rows written before a kill stopped the flush that would have recorded them."""
+    md = make_metadata()
+    w = TraceWriter(tmp_path / "p.h5", md, chunk_rows=64, expected_requests=N).start()
+    for r in mixed_requests(md, n=N)[:12]:
+        w.submit(r)
+    w.close(complete=False, end_reason="interrupted by SIGINT")
+    with h5py.File(tmp_path / "p.h5", "a") as f:
+        routed = f[ROUTED_EXPERTS]
+        routed.resize(routed.shape[0] + 3, axis=0)
+    report = verify_trace(tmp_path / "p.h5")
+    assert report.status == "incomplete", report.problems
+    assert "3 row(s) after the last record belong to no request" in report.notes
+
+
 def _chunk_offset(path: Path, name: str, index: int = 0) -> int:
     with h5py.File(path, "r") as f:
         return f[name].id.get_chunk_info(index).byte_offset

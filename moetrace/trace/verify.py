@@ -142,13 +142,13 @@ def _verify(path: Path, progress: Callable[[], None] | None) -> VerifyReport:
             raise
         report.problems.append(f"cannot be read (truncated or corrupted): {_cause(exc)}")
         return report
-    with trace:
+    with trace:  # open while the file checks read it too (they count its stored rows)
         _fill(report, trace, progress)
-    try:
-        with h5py.File(path, "r", locking=False) as f:
-            _file_checks(report, f, trace)
-    except OSError as exc:
-        report.problems.append(f"cannot be read (truncated or corrupted): {exc}")
+        try:
+            with h5py.File(path, "r", locking=False) as f:
+                _file_checks(report, f, trace)
+        except OSError as exc:
+            report.problems.append(f"cannot be read (truncated or corrupted): {exc}")
     return report
 
 
