@@ -14,10 +14,11 @@ PROMPTS = [f"{i}: the experts route this token" for i in range(16)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_server_returns_what_cuda_record_writes(tmp_path):
+@pytest.mark.parametrize("layout", ["--engine-in-process", "--engine-process"])
+def test_cuda_server_returns_what_cuda_record_writes(tmp_path, layout):
     lines = [{"id": str(i), "prompt": p} for i, p in enumerate(PROMPTS)]
     recorded = record_demo(tmp_path, lines, max_tokens=16, device="cuda")
-    srv = ServerProcess("demo", "--device", "cuda", "--enable-return-routed-experts")
+    srv = ServerProcess("demo", "--device", "cuda", "--enable-return-routed-experts", layout)
     try:
         for i, prompt in enumerate(PROMPTS):
             body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
