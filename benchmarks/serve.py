@@ -15,7 +15,7 @@ unmeasured warm-up pass over the prompts first (Triton compiles on first use).
 
     python benchmarks/serve.py --config olmoe-1b-7b --num-prompts 2048
 
-Needs fastapi, uvicorn, pybase64 (server) and httpx (client); no network.
+Needs starlette, uvicorn, pybase64 (server) and httpx (client); no network.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def open_clients(count: int) -> list:
 async def drive(clients: list, url: str, prompts, args, *, measure: bool) -> dict:
     endpoint = url + "/v1/completions"
     records: list[dict] = [{} for _ in prompts]
-    rng = random.Random(0)
+    rng = random.Random(getattr(args, "client_index", 0))  # each client process its own arrivals
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(len(prompts)):
         queue.put_nowait(i)
@@ -238,7 +238,6 @@ async def drive(clients: list, url: str, prompts, args, *, measure: bool) -> dic
             i = queue.get_nowait()
             await _one(http, endpoint, prompts[i], args, records[i])
 
-    start = time.perf_counter()
     window_start, client_cpu = time.monotonic(), time.process_time()
     if args.request_rate == float("inf"):
         await asyncio.gather(*(worker(http) for http in clients[: args.concurrency]))
@@ -256,34 +255,16 @@ async def drive(clients: list, url: str, prompts, args, *, measure: bool) -> dic
             tasks.append(asyncio.ensure_future(limited(i)))
             await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
-    seconds = time.perf_counter() - start
     window_end, client_cpu = time.monotonic(), time.process_time() - client_cpu
     if not measure:
         return {}
-    tokens = sum(r["tokens"] for r in records)
-    latency = [r["latency"] for r in records]
-    timed = [r for r in records if np.isfinite(r["encode_ms"])]
-    encode = [r["encode_ms"] for r in timed]
-    share = [r["encode_ms"] / 1e3 / r["latency"] for r in timed]
-    result = {
-        "seconds": seconds,
-        "output_tokens": tokens,
-        "tok_s": tokens / seconds,
-        "requests_s": len(prompts) / seconds,
-        "latency_p50_s": percentile(latency, 50),
-        "latency_p99_s": percentile(latency, 99),
-        "encode_ms_mean": statistics.fmean(encode) if encode else float("nan"),
-        "encode_ms_p99": percentile(encode, 99),
-        "encode_share_of_request_mean": statistics.fmean(share) if share else float("nan"),
+    fields = ("sent", "done", "tokens", "latency", "encode_ms", "ttft")
+    return {
+        "records": [{k: r[k] for k in fields if k in r} for r in records],
+        "sample_shape": _check_sample(records[0].get("routed_experts"), prompts[0], args),
+        "window": (window_start, window_end),
+        "client_cpu_s": client_cpu,
     }
-    if args.stream:
-        ttft = [r["ttft"] for r in records]
-        result.update(ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99))
-    result["sample_shape"] = _check_sample(records[0].get("routed_experts"), prompts[0], args)
-    result["window"] = (window_start, window_end)
-    result["client"] = [(r["sent"], r["done"]) for r in records]
-    result["client_cpu_s"] = client_cpu
-    return result
 
 
 def _check_sample(encoded: str | None, prompt: list[int], args) -> list[int] | None:
@@ -298,15 +279,108 @@ def _check_sample(encoded: str | None, prompt: list[int], args) -> list[int] | N
     return list(rows.shape)
 
 
-async def warm_and_measure(url: str, prompts, args) -> dict:
-    """A warm-up pass, then the measured one, over the same open connections."""
+async def warm_and_measure(url: str, prompts, args, barrier=None) -> dict:
+    """A warm-up pass, then the measured one, over the same open connections.
+
+    ``barrier`` (client processes): every process has warmed up before any measures.
+    """
     clients = open_clients(args.concurrency)
     try:
         warm = argparse.Namespace(**{**vars(args), "output_len": args.warmup_tokens})
         await drive(clients, url, prompts, warm, measure=False)
+        if barrier is not None:
+            barrier.wait()  # blocks this loop on purpose: nothing of it runs yet
         return await drive(clients, url, prompts, args, measure=True)
     finally:
         await asyncio.gather(*(http.aclose() for http in clients))
+
+
+def _client_worker(url: str, prompts, args: dict, barrier, queue) -> None:
+    """One client process: its share of the prompts, connections and request rate."""
+    try:
+        result = asyncio.run(warm_and_measure(url, prompts, argparse.Namespace(**args), barrier))
+    except BaseException as exc:  # the parent must not wait for a result that never comes
+        barrier.abort()
+        queue.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    queue.put(result)
+
+
+def _shares(count: int, parts: int) -> list[list[int]]:
+    """Indices 0..count-1 dealt round-robin into ``parts`` hands (none empty)."""
+    parts = max(1, min(parts, count))
+    return [list(range(i, count, parts)) for i in range(parts)]
+
+
+def drive_processes(url: str, prompts, args) -> dict:
+    """The client as ``--client-processes`` processes, each with its own event loop.
+
+    One asyncio client sending N requests at once walks all N through each
+    stage of its HTTP stack before the first request's bytes leave (a
+    convoy: with httpx, 512 requests reached the server 0.5 s after the first
+    was started), so the server would be measured waiting for the client.
+    Several processes, as several rollout workers would be, each send a share.
+    Their measured passes start together (a barrier after every warm-up); the
+    window runs from the first start to the last answer (one monotonic clock).
+    """
+    hands = _shares(len(prompts), args.client_processes)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(len(hands)), ctx.Queue()
+    procs = []
+    for i, hand in enumerate(hands):
+        share = {
+            **vars(args),
+            "out": None,
+            "client_index": i,
+            "concurrency": len(_shares(args.concurrency, len(hands))[i]) or 1,
+            "request_rate": args.request_rate / len(hands),
+        }
+        proc = ctx.Process(
+            target=_client_worker,
+            args=(url, [prompts[j] for j in hand], share, barrier, queue),
+            daemon=True,
+        )
+        proc.start()
+        procs.append(proc)
+    parts = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    failed = [p["error"] for p in parts if "error" in p]
+    if failed:
+        raise SystemExit(f"a client process failed: {failed[0]}")
+    return _merge(parts, args)
+
+
+def _merge(parts: list[dict], args) -> dict:
+    """The client processes' figures as one client's, over the union of their windows."""
+    window = (min(p["window"][0] for p in parts), max(p["window"][1] for p in parts))
+    seconds = window[1] - window[0]
+    records = [r for p in parts for r in p["records"]]
+    tokens = sum(r["tokens"] for r in records)
+    latency = [r["latency"] for r in records]
+    timed = [r for r in records if np.isfinite(r["encode_ms"])]
+    encode = [r["encode_ms"] for r in timed]
+    share = [r["encode_ms"] / 1e3 / r["latency"] for r in timed]
+    result = {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tok_s": tokens / seconds,
+        "requests_s": len(records) / seconds,
+        "latency_p50_s": percentile(latency, 50),
+        "latency_p99_s": percentile(latency, 99),
+        "encode_ms_mean": statistics.fmean(encode) if encode else float("nan"),
+        "encode_ms_p99": percentile(encode, 99),
+        "encode_share_of_request_mean": statistics.fmean(share) if share else float("nan"),
+        "client_processes": len(parts),
+    }
+    if args.stream:
+        ttft = [r["ttft"] for r in records]
+        result.update(ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99))
+    result["sample_shape"] = parts[0]["sample_shape"]
+    result["window"] = window
+    result["client"] = [(r["sent"], r["done"]) for r in records]
+    result["client_cpu_s"] = sum(p["client_cpu_s"] for p in parts)
+    return result
 
 
 def bench_serve(model_dir: str, prompts, args) -> dict:
@@ -315,7 +389,7 @@ def bench_serve(model_dir: str, prompts, args) -> dict:
         timeline_out = Path(tmp) / "timeline.json"
         server = Server(model_dir, args, trace, timeline_out)
         try:
-            result = asyncio.run(warm_and_measure(server.url, prompts, args))
+            result = drive_processes(server.url, prompts, args)
         finally:
             server.stop()
         raw = json.loads(timeline_out.read_text())
@@ -327,7 +401,8 @@ def bench_serve(model_dir: str, prompts, args) -> dict:
         f"serve: {result['tok_s']:,.0f} output tok/s, latency p50 {result['latency_p50_s']:.2f} s "
         f"p99 {result['latency_p99_s']:.2f} s, encode {result['encode_ms_mean']:.3f} ms/request "
         f"({100 * result['encode_share_of_request_mean']:.3f}% of its time)"
-        + (f", TTFT p50 {result['ttft_p50_s']:.3f} s" if args.stream else ""),
+        + (f", TTFT p50 {result['ttft_p50_s']:.3f} s" if args.stream else "")
+        + f"; {result['client_processes']} client process(es)",
         flush=True,
     )
     print(timeline.describe_serve(result["timeline"]), flush=True)
@@ -362,6 +437,11 @@ def main() -> None:
         help="requests/s (Poisson arrivals); inf: closed loop of --concurrency clients",
     )  # fmt: skip
     parser.add_argument("--stream", action="store_true", help="stream (gives TTFT)")
+    parser.add_argument(
+        "--client-processes", type=int, default=8,
+        help="client processes sharing the prompts, connections and rate (one asyncio "
+        "client sending hundreds of requests at once delays its own requests)",
+    )  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--warmup-tokens", type=int, default=2)
