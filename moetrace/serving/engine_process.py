@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from moetrace.config import EngineConfig
+from moetrace.engine.heap import freeze_start_up_heap
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.engine.request import Request, TokenLogprob
 from moetrace.errors import CapacityError
@@ -130,6 +131,7 @@ def child_main(spec: EngineSpec, commands: Connection, results: Connection, pare
         sender.close()
         return
     sender.put(ready)
+    freeze_start_up_heap()
     try:
         _StepLoop(engine, commands, sender, spec.timeline).run()
     except BaseException as exc:

@@ -26,6 +26,7 @@ import uvicorn
 
 from moetrace import __version__
 from moetrace.config import EngineConfig
+from moetrace.engine.heap import freeze_start_up_heap
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.errors import MoetraceError
 from moetrace.models.demo import model_dir
@@ -370,6 +371,7 @@ class Server:
             created=int(time.time()),
         )
         config.app = create_app(ctx)
+        freeze_start_up_heap()
         engine_loop.start()
         sampler = asyncio.ensure_future(timeline.sample_cpu()) if timeline is not None else None
         try:
