@@ -103,8 +103,9 @@ def request_problem(
     """
     if not prompt_token_ids:
         return "prompt", "empty prompt"
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    # min/max first: one C-level pass each; the scan for the first bad id runs only on failure
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         return "prompt_token_ids", f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
     n = len(prompt_token_ids)
     if n >= max_model_len:
