@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 # What `pip install -e .` does not bring: the test, serve, parquet and plot extras.
 NOT_INSTALLED_BY_DEMO = (
     "pytest", "hypothesis", "transformers", "ruff", "matplotlib", "importlinter", "pyarrow",
-    "pandas", "datasets", "fastapi", "uvicorn", "openai", "httpx",
+    "pandas", "datasets", "starlette", "uvicorn", "openai", "httpx",
 )  # fmt: skip
 
 # Runs the CLI as if the extras were not installed: the import system finds nothing by

@@ -95,7 +95,7 @@ def serve_command(
     from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
 
     try:
-        import fastapi  # noqa: F401
+        import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise MoetraceError(

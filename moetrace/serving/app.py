@@ -1,8 +1,13 @@
-"""The FastAPI application: routes, and errors as OpenAI-style JSON.
+"""The Starlette application: routes, and errors as OpenAI-style JSON.
 
 Every failure a client can cause is answered with ``{"error": {"message",
 "type", "param", "code"}}`` and the server keeps serving; an unexpected
 exception is a 500 with a one-line message (its traceback goes to stderr).
+
+Starlette rather than FastAPI on top of it: the handlers parse and answer
+their own bodies (pydantic models, starlette responses), so FastAPI added
+only its per-request layers, which took more of the event loop's time than
+the handlers did (docs/serving.md, "Why Starlette").
 """
 
 from __future__ import annotations
@@ -10,51 +15,44 @@ from __future__ import annotations
 import sys
 import traceback
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
 
-from moetrace import __version__
 from moetrace.serving import openai_api, sglang_api
 from moetrace.serving.context import ServingContext
 from moetrace.serving.protocol import FieldProblem
 from moetrace.serving.responses import error_body, error_response
 
 
-def create_app(ctx: ServingContext) -> FastAPI:
-    app = FastAPI(title="moetrace serve", version=__version__, openapi_url=None)
-    app.state.serving = ctx
-    app.include_router(openai_api.router)
-    app.include_router(sglang_api.router)
+async def _field_problem(request: HttpRequest, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, FieldProblem)
+    return error_response(exc)
 
-    @app.exception_handler(FieldProblem)
-    async def _field_problem(request: HttpRequest, exc: FieldProblem) -> JSONResponse:
-        return error_response(exc)
 
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(request: HttpRequest, exc: ClientDisconnect) -> Response:
-        return Response(status_code=499)  # nobody reads it; no traceback for a hang-up
+async def _gone(request: HttpRequest, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; no traceback for a hang-up
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code
-        )
 
-    @app.exception_handler(Exception)
-    async def _bug(request: HttpRequest, exc: Exception) -> JSONResponse:
-        traceback.print_exception(exc, file=sys.stderr)
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        return JSONResponse(error_body(500, f"internal error: {message}"), status_code=500)
+async def _http_error(request: HttpRequest, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
-    @app.get("/health")
-    async def health() -> Response:
+
+async def _bug(request: HttpRequest, exc: Exception) -> JSONResponse:
+    traceback.print_exception(exc, file=sys.stderr)
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    return JSONResponse(error_body(500, f"internal error: {message}"), status_code=500)
+
+
+def create_app(ctx: ServingContext) -> Starlette:
+    async def health(request: HttpRequest) -> Response:
         return Response(status_code=200 if ctx.loop.alive and not ctx.draining else 503)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: HttpRequest) -> JSONResponse:
         cards = [
             {
                 "id": name,
@@ -70,8 +68,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
         ]
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: HttpRequest) -> PlainTextResponse:
         stats = ctx.loop.stats
         values = {
             **ctx.loop.counts(),
@@ -83,4 +80,20 @@ def create_app(ctx: ServingContext) -> FastAPI:
         lines = [f"moetrace:{name} {value}" for name, value in values.items()]
         return PlainTextResponse("\n".join(lines) + "\n")
 
+    app = Starlette(
+        routes=[
+            *openai_api.ROUTES,
+            *sglang_api.ROUTES,
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={
+            FieldProblem: _field_problem,
+            ClientDisconnect: _gone,
+            HTTPException: _http_error,
+            Exception: _bug,
+        },
+    )
+    app.state.serving = ctx
     return app

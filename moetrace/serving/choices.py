@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from moetrace.engine.sampling import SamplingParams
 from moetrace.serving.context import ServingContext
 from moetrace.serving.logprobs import TokenLogprobs, from_output
+from moetrace.serving.responses import Base64Text
 from moetrace.serving.text import IncrementalText
 from moetrace.trace.records import FinishedRequest
 
@@ -104,7 +105,9 @@ class Choice:
     def logprobs(self, done: FinishedRequest, start: int) -> list[TokenLogprobs] | None:
         return None if done.logprobs is None else from_output(done.logprobs, start)
 
-    def routed_experts(self, done: FinishedRequest, start: int, clock: EncodeClock) -> str | None:
+    def routed_experts(
+        self, done: FinishedRequest, start: int, clock: EncodeClock
+    ) -> Base64Text | None:
         if not self.ctx.return_routed_experts:
             return None
         t0 = time.perf_counter()

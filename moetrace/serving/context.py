@@ -18,6 +18,7 @@ from moetrace.errors import ModelError
 from moetrace.run_setup import generation_defaults as checkpoint_generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.protocol import FieldProblem
+from moetrace.serving.responses import Base64Text
 from moetrace.tokenizer import Tokenizer
 from moetrace.trace.wire import float32_base64, hidden_layer_rows, int32_base64, npy_base64
 
@@ -119,13 +120,13 @@ class ServingContext:
     def vllm_rows(self, rows: np.ndarray) -> np.ndarray:
         return hidden_layer_rows(rows, self.model.moe_layer_indices, self.model.num_hidden_layers)
 
-    def vllm_routed_experts(self, rows: np.ndarray, start: int) -> str:
+    def vllm_routed_experts(self, rows: np.ndarray, start: int) -> Base64Text:
         """vLLM's ``routed_experts``: every hidden layer, rows from ``start`` on."""
-        return npy_base64(self.vllm_rows(rows[start:]))
+        return Base64Text(npy_base64(self.vllm_rows(rows[start:])))
 
-    def sglang_routed_experts(self, rows: np.ndarray, start: int) -> str:
+    def sglang_routed_experts(self, rows: np.ndarray, start: int) -> Base64Text:
         """SGLang's ``meta_info.routed_experts``: flat int32, rows from ``start`` on."""
-        return int32_base64(self.vllm_rows(rows[start:]))
+        return Base64Text(int32_base64(self.vllm_rows(rows[start:])))
 
     def check_weights_asked(self, asked: bool) -> None:
         """Refuse a request for gate weights the engine does not capture."""
@@ -135,15 +136,15 @@ class ServingContext:
                 "the server was started without --enable-return-routed-weights",
             )
 
-    def vllm_routed_weights(self, weights: np.ndarray, start: int) -> str:
+    def vllm_routed_weights(self, weights: np.ndarray, start: int) -> Base64Text:
         """``routed_weights`` beside vLLM's ``routed_experts``: the same rows and layout,
         ``.npy`` in the captured dtype (float16 or float32), dense layers zero."""
-        return npy_base64(self.vllm_rows(weights[start:]))
+        return Base64Text(npy_base64(self.vllm_rows(weights[start:])))
 
-    def sglang_routed_weights(self, weights: np.ndarray, start: int) -> str:
+    def sglang_routed_weights(self, weights: np.ndarray, start: int) -> Base64Text:
         """``meta_info.routed_weights``: the rows of ``routed_experts``, flat little-endian
         float32."""
-        return float32_base64(self.vllm_rows(weights[start:]))
+        return Base64Text(float32_base64(self.vllm_rows(weights[start:])))
 
 
 def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:

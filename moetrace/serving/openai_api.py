@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from moetrace.serving.choices import Choice, EncodeClock
 from moetrace.serving.context import ServingContext
@@ -32,9 +32,16 @@ from moetrace.serving.protocol import (
     FieldProblem,
     SamplingFields,
 )
-from moetrace.serving.responses import DONE, error_body, new_id, now, read_body, sse, usage
-
-router = APIRouter()
+from moetrace.serving.responses import (
+    DONE,
+    JSONBody,
+    error_body,
+    new_id,
+    now,
+    read_body,
+    sse,
+    usage,
+)
 
 
 @dataclass
@@ -150,7 +157,6 @@ def _chat_lp(ctx: ServingContext, token_ids, lps) -> dict | None:
 # ----------------------------------------------------------------------------- completions
 
 
-@router.post("/v1/completions")
 async def completions(http: HttpRequest) -> Response:
     ctx = _ctx(http)
     req: CompletionRequest = await read_body(http, CompletionRequest)
@@ -192,7 +198,7 @@ async def completions(http: HttpRequest) -> Response:
         "choices": choices,
         "usage": usage(plan.prompt_tokens, sum(f.output_len for f in finished)),
     }
-    return JSONResponse(body, headers=clock.header())
+    return JSONBody(body, headers=clock.header())
 
 
 async def _completion_stream(
@@ -281,7 +287,6 @@ def _chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
     return ctx.chat_prompt(req.messages, variables)
 
 
-@router.post("/v1/chat/completions")
 async def chat_completions(http: HttpRequest) -> Response:
     ctx = _ctx(http)
     req: ChatCompletionRequest = await read_body(http, ChatCompletionRequest)
@@ -322,7 +327,7 @@ async def chat_completions(http: HttpRequest) -> Response:
         "prompt_logprobs": None,
         "prompt_token_ids": plan.prompts[0] if req.return_token_ids else None,
     }
-    return JSONResponse(body, headers=clock.header())
+    return JSONBody(body, headers=clock.header())
 
 
 async def _chat_stream(
@@ -418,3 +423,9 @@ async def _events(ctx: ServingContext, http: HttpRequest, plan: Plan):
 
 def stream_error(problem: FieldProblem) -> str:
     return sse(error_body(problem.status, str(problem), problem.field))
+
+
+ROUTES = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]

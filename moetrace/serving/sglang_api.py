@@ -18,9 +18,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from moetrace.serving.choices import Choice, EncodeClock
 from moetrace.serving.context import ServingContext
@@ -28,10 +28,8 @@ from moetrace.serving.engine_loop import EngineRequest, Finished
 from moetrace.serving.generation import ClientGone, generate_all, stream_events
 from moetrace.serving.logprobs import sglang_logprobs
 from moetrace.serving.protocol import FieldProblem, GenerateRequest, GenerateSampling
-from moetrace.serving.responses import DONE, error_body, new_id, read_body, sse
+from moetrace.serving.responses import DONE, JSONBody, error_body, new_id, read_body, sse
 from moetrace.trace.records import FinishedRequest
-
-router = APIRouter()
 
 
 def _prompts(ctx: ServingContext, req: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -163,7 +161,6 @@ def _output(
     return {"text": choice.text, "output_ids": done.output_token_ids.tolist(), "meta_info": meta}
 
 
-@router.post("/generate")
 async def generate(http: HttpRequest) -> Response:
     start = time.perf_counter()
     ctx = _ctx(http)
@@ -182,7 +179,7 @@ async def generate(http: HttpRequest) -> Response:
     for i, done in enumerate(finished):
         plan.choices[i].finish(done)
         outputs.append(_output(ctx, req, plan, i, done, start, clock))
-    return JSONResponse(outputs if plan.batch else outputs[0], headers=clock.header())
+    return JSONBody(outputs if plan.batch else outputs[0], headers=clock.header())
 
 
 async def _stream(
@@ -217,3 +214,6 @@ async def _stream(
     except FieldProblem as problem:
         yield sse(error_body(problem.status, str(problem), problem.field))
     yield DONE
+
+
+ROUTES = [Route("/generate", generate, methods=["POST"])]
