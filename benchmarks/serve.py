@@ -139,8 +139,8 @@ class Server:
         ]  # fmt: skip
         if args.enforce_eager:
             cmd.append("--enforce-eager")
-        if args.engine_process:
-            cmd.append("--engine-process")
+        if args.engine_in_process:
+            cmd.append("--engine-in-process")
         if not args.no_routed_experts:
             cmd.append("--enable-return-routed-experts")
         if trace is not None:
@@ -447,9 +447,9 @@ def main() -> None:
     parser.add_argument("--warmup-tokens", type=int, default=2)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument(
-        "--engine-process", action="store_true",
-        help="serve with the engine in a process of its own (default: a thread of the HTTP "
-        "process, the one-GIL layout)",
+        "--engine-in-process", action="store_true",
+        help="serve with the engine in a thread of the HTTP process (the one-GIL layout; "
+        "default: the server's default, an engine process of its own)",
     )  # fmt: skip
     parser.add_argument("--no-routed-experts", action="store_true", help="serve without them")
     parser.add_argument("--trace-out", action="store_true", help="serve with --trace-out too")
@@ -492,7 +492,7 @@ def main() -> None:
         print(
             f"one-GIL bound: {bound:.3f} (record's time over record's time plus the event loop's "
             "CPU: what serve reaches at best while engine and HTTP share one GIL, i.e. with "
-            f"the default layout{'; this run had a process each' if args.engine_process else ''})",
+            f"--engine-in-process{'' if args.engine_in_process else '; this run had a process each'})",
             flush=True,
         )
     if args.out:

@@ -126,17 +126,21 @@ def test_a_signal_to_the_group_stops_both_processes_and_leaves_none(sig):
     assert gone([srv.proc.pid, *below]), "a process of the server outlived it"
 
 
-@pytest.mark.parametrize("layout", [["--engine-in-process"], []], ids=["flag", "default"])
-def test_engine_in_process_serves_what_record_writes(tmp_path, layout):
-    """The thread layout is the default until the process split has run on a GPU."""
+@pytest.mark.parametrize(
+    "layout, spawns", [(["--engine-in-process"], False), ([], True)], ids=["thread", "default"]
+)
+def test_both_layouts_serve_what_record_writes(tmp_path, layout, spawns):
+    """The engine process is the default (measured on the H200: 0.97-0.98x of record);
+    ``--engine-in-process`` keeps the engine in a thread of the HTTP process."""
     prompt = "the experts route this token"
     recorded = record_demo(tmp_path, [{"id": "p", "prompt": prompt}], 8)["p"]
     srv = ServerProcess("demo", "--device", "cpu", "--enable-return-routed-experts", *layout)
     try:
-        assert not any(
+        spawned = any(
             b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
             for pid in descendants(srv.proc.pid)
-        ), f"{layout or 'the default'} started an engine process"
+        )
+        assert spawned == spawns, f"{layout or 'the default'}: engine process {spawned}"
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
         choice = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     finally:
