@@ -16,6 +16,8 @@ import torch
 from gpt_oss_helpers import e2m1_values
 
 from moetrace.kernels import mxfp4_layout as layout
+from moetrace.layers.moe import MoEExperts
+from moetrace.layers.mxfp4 import FAST_SCALE_MAX, dequantize_mxfp4
 
 
 def random_mxfp4(shape: tuple[int, ...], k: int, seed: int, scales=(100, 129)):
@@ -105,7 +107,7 @@ def test_the_emulator_reads_every_instruction():
     assert ops == {"and.b32", "or.b32", "shl.b32", "shr.b32", "mul.rn.bf16x2"}
 
 
-@pytest.mark.parametrize("scale", [0, 1, 64, 119, 126, 127, 128])
+@pytest.mark.parametrize("scale", [0, 1, 64, 119, 126, 127, FAST_SCALE_MAX])
 def test_fast_ptx_decodes_every_code_exactly(scale):
     """All 16 codes in every position of a group (0.5 subnormal, -0 keeps its sign), at
     scales from the bottom of the e8m0 range to the fast decoder's limit."""
@@ -128,8 +130,72 @@ def test_fast_ptx_decodes_every_code_exactly(scale):
 
 
 def test_fast_ptx_is_wrong_past_its_scale_limit():
-    """Past ``128`` the bf16 factor overflows: such experts take the generic decoder."""
+    """Past ``FAST_SCALE_MAX`` the bf16 factor overflows: such experts take the generic decoder."""
     words = layout.pack_codes(torch.full((1, 32), 2, dtype=torch.uint8)).numpy().view(np.uint32)
-    scale = 128 + 1
+    scale = FAST_SCALE_MAX + 1
     pairs = run_fast_ptx(words, np.full_like(words, ((scale + 126) << 7) * 0x10001))
     assert not np.isfinite(_bf16_bits_to_f32(pairs[0] & 0xFFFF)).all()
+
+
+# ------------------------------------------------------------------ experts keep either layout
+
+
+def experts_pair(seed: int, scales=(110, 125)) -> tuple[MoEExperts, MoEExperts]:
+    """The same random MXFP4 experts (5 of them) loaded into each layout, float32."""
+    pair = []
+    gen = torch.Generator().manual_seed(seed)
+    w13 = random_mxfp4((5, 128), 96, seed, scales)
+    w2 = random_mxfp4((5, 96), 64, seed + 1, scales)
+    b13, b2 = torch.randn(5, 128, generator=gen), torch.randn(5, 96, generator=gen)
+    for kind in layout.LAYOUTS:
+        experts = MoEExperts(
+            5,
+            96,
+            64,
+            "clamped_swiglu",
+            bias=True,
+            activation_args={"alpha": 1.702, "limit": 7.0},
+            weight_format="mxfp4",
+            mxfp4_layout=kind,
+        )
+        with torch.no_grad():
+            experts.load_mxfp4("w13", *w13)
+            experts.load_mxfp4("w2", *w2)
+            experts.b13.copy_(b13)
+            experts.b2.copy_(b2)
+        pair.append(experts)
+    return pair[0], pair[1]
+
+
+def test_plain_path_reads_both_layouts_alike():
+    checkpoint, fragment = experts_pair(seed=3)
+    assert checkpoint.mxfp4_layout == "checkpoint" and fragment.mxfp4_layout == "fragment"
+    assert fragment.w13_scale.shape == (5, 128, 16) and checkpoint.w13_scale.shape == (5, 128, 3)
+    for e in range(5):
+        want = checkpoint._dense_weights(e, torch.float32)
+        got = fragment._dense_weights(e, torch.float32)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    blocks = checkpoint.w2[2].unflatten(-1, (-1, 16))
+    assert torch.equal(
+        fragment._dense_weights(2, torch.float32)[1],
+        dequantize_mxfp4(blocks, checkpoint.w2_scale[2], torch.float32),
+    )
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 96, generator=gen)
+    ids = torch.randint(0, 5, (9, 2), generator=gen)
+    weights = torch.rand(9, 2, generator=gen)
+    want = checkpoint.forward_torch(x, weights, ids)
+    assert torch.equal(want, fragment.forward_torch(x, weights, ids))
+
+
+def test_wide_scales_are_flagged_at_load():
+    """A scale past the fast decoder's limit sends those experts to the generic decoder."""
+    _, fragment = experts_pair(seed=5)
+    assert not fragment.mxfp4_wide_scales
+    _, wide = experts_pair(seed=5, scales=(120, FAST_SCALE_MAX + 2))
+    assert wide.mxfp4_wide_scales
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="swizzled"):
+        MoEExperts(2, 64, 96, weight_format="mxfp4", mxfp4_layout="swizzled")
