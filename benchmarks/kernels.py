@@ -445,10 +445,12 @@ def gpt_oss() -> None:
             try_bench(what, variant, fn, nbytes=nbytes)
             try_bench(what, variant, fn, nbytes=nbytes, graph=True)
     hidden = inter = 64 if SMOKE else 2880
-    for fmt in ("dense", "mxfp4"):
-        experts = MoEExperts(32, hidden, inter, "clamped_swiglu", bias=True, weight_format=fmt).to(
-            DEV
-        )
+    for kind in ("dense", "mxfp4-checkpoint", "mxfp4-fragment"):
+        fmt, _, layout = kind.partition("-")
+        experts = MoEExperts(
+            32, hidden, inter, "clamped_swiglu", bias=True, weight_format=fmt,
+            mxfp4_layout=layout or None,
+        ).to(DEV)  # fmt: skip
         with torch.no_grad():
             for name, p in experts.named_parameters():
                 if name.endswith("_scale"):
@@ -466,12 +468,16 @@ def gpt_oss() -> None:
             wts = wts.to(torch.bfloat16)
             nbytes = int(torch.unique(ids).numel()) * per_expert
             flops = 2 * tokens * 4 * 3 * hidden * inter
-            what = f"moe gpt-oss-20b {fmt} T{tokens}"
+            what = f"moe gpt-oss-20b {kind} T{tokens}"
             default = tm.moe_config(tokens, 4, 32)
-            for cfg in dict.fromkeys([default, *MOE_SWEEP]):
+            sweep = MOE_SWEEP
+            if layout == "fragment":  # its tiles: benchmarks/moe_tiles.py --shapes gpt-oss-mx-frag
+                default = tm.moe_config(tokens, 4, 32, mxfp4=True, layout=layout)
+                sweep = []
+            for cfg in dict.fromkeys([default, *sweep]):
                 if (cfg != default and SMOKE) or (tokens <= 256) != (cfg.block_m <= 64):
                     continue
-                for native in (True, False) if fmt == "mxfp4" and not SMOKE else (None,):
+                for native in (True, False) if layout == "checkpoint" and not SMOKE else (None,):
                     fn = partial(
                         tm.fused_moe_with_config, x, experts.w13, experts.w2, wts, ids, cfg,
                         "clamped_swiglu", extras=extras, mxfp4_native=native,

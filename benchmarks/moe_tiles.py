@@ -1,6 +1,7 @@
 """Sweep the fused-MoE kernels' tile configs at the decode step's shape, per family.
 
     PYTHONPATH=. python3 benchmarks/moe_tiles.py [--tokens 256] [--shapes olmoe,gpt-oss-mx]
+    PYTHONPATH=. python3 benchmarks/moe_tiles.py --shapes gpt-oss-mx-bits,gpt-oss-mx-frag
 
 For each shape (a family's experts at batch ``--tokens``, top-k routing drawn
 at random) every config of the grid runs as a CUDA-graph replay (as the
@@ -10,6 +11,12 @@ tokens, and how far it is from the HBM bound (``--hbm-gbs``).  Compilation is
 done first by worker processes in parallel (each launches its share once, so
 Triton's on-disk cache holds every variant), then one process times them all:
 a sweep of hundreds of variants fits in a few minutes.
+
+MXFP4 shapes: ``gpt-oss-mx`` (checkpoint layout, ``tl.dot_scaled``),
+``gpt-oss-mx-bits`` (checkpoint layout, the kernel's bit decoder) and
+``gpt-oss-mx-frag`` (the fragment layout of ``kernels/mxfp4_layout.py``, whose
+``block_n`` counts weight rows).  Run together, the last lines compare each
+shape's best with the first shape's.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class Shape:
     inter: int
     fmt: str = "dense"  # or "mxfp4"
     native: bool | None = None  # MXFP4 decoder: tl.dot_scaled (True) or bit arithmetic
+    layout: str = "checkpoint"  # MXFP4 layout (kernels/mxfp4_layout.py)
 
     @property
     def activation(self) -> str:
@@ -52,12 +60,33 @@ SHAPES = {
         Shape("gpt-oss-bf16", 32, 4, 2880, 2880),
         Shape("gpt-oss-mx", 32, 4, 2880, 2880, "mxfp4", True),
         Shape("gpt-oss-mx-bits", 32, 4, 2880, 2880, "mxfp4", False),
+        Shape("gpt-oss-mx-frag", 32, 4, 2880, 2880, "mxfp4", None, "fragment"),
     ]
 }
 
 
+def fragment_grid(decode: bool) -> list[tm.MoEConfig]:
+    """Fragment-layout MXFP4: token blocks 16-64 (the MMA's N), 128 or 256 weight rows over
+    4 or 8 warps, K steps of 128 or 256; prefill: token blocks of 64 and 128."""
+    if decode:
+        shapes = [(bm, bn, w) for bm in (32, 64) for bn, w in ((128, 4), (128, 8), (256, 8))]
+        shapes += [(16, 128, 4)]
+        return [
+            tm.MoEConfig(bm, bn, bk, 8, w, st, mxfp4_native=False)
+            for (bm, bn, w), bk, st in itertools.product(shapes, (128, 256), (3, 4))
+            if not (bk == 256 and bn == 256)  # past the registers
+        ]
+    return [
+        tm.MoEConfig(bm, bn, 128, 8, w, 3, mxfp4_native=False)
+        for bm in (64, 128)
+        for bn, w in ((128, 4), (128, 8), (256, 8))
+    ]
+
+
 def grid(shape: Shape, tokens: int) -> list[tm.MoEConfig]:
     """Decode: row blocks of 16-64, K steps as wide as MXFP4's bytes allow; prefill: 64-128."""
+    if shape.layout == "fragment":
+        return fragment_grid(tokens * shape.top_k / shape.experts <= 160)
     if tokens * shape.top_k / shape.experts <= 160:
         blocks_m, stages = (16, 32, 64), (3, 4)
         ks = (128, 256, 512) if shape.fmt == "mxfp4" else (64, 128, 256)
@@ -79,6 +108,7 @@ def build(shape: Shape, tokens: int, seed: int = 0):
         shape.activation,
         bias=shape.activation == "clamped_swiglu",
         weight_format=shape.fmt,
+        mxfp4_layout=shape.layout if shape.fmt == "mxfp4" else None,
     )
     with torch.no_grad():
         for name, p in experts.named_parameters():
@@ -163,11 +193,27 @@ def main() -> None:
         shape = SHAPES[name]
         built = build(shape, args.tokens)
         nbytes = built[4]
-        default = tm.moe_config(args.tokens, shape.top_k, shape.experts, mxfp4=shape.fmt == "mxfp4")
+        default = tm.moe_config(
+            args.tokens,
+            shape.top_k,
+            shape.experts,
+            mxfp4=shape.fmt == "mxfp4",
+            layout=shape.layout,
+        )
         rows = []
+        want = None
         for cfg in dict.fromkeys([default, *grid(shape, args.tokens)]):
             try:
-                ms = time_graph(runner(shape, built, cfg))
+                fn = runner(shape, built, cfg)
+                got = fn().float()
+                want = got if want is None else want
+                err = ((got - want).norm() / want.norm()).item()
+                if not err < 1e-2:  # a tile that computes something else must not win
+                    print(
+                        f"{name} {tuple(cfg)} differs from the default: {err:.2e}", file=sys.stderr
+                    )
+                    continue
+                ms = time_graph(fn)
             except Exception as exc:
                 print(f"{name} {tuple(cfg)} failed: {type(exc).__name__}", file=sys.stderr)
                 continue
@@ -192,6 +238,14 @@ def main() -> None:
         }
         del built
         torch.cuda.empty_cache()
+    if len(results) > 1:
+        first, *others = results
+        base = min(ms for _, ms in results[first]["rows"])
+        print(f"\nbest against {first}'s best ({base:.0f} us):")
+        for name in others:
+            if results[name]["rows"]:
+                best_cfg, best = min(results[name]["rows"], key=lambda r: r[1])
+                print(f"  {name}: {best:.0f} us, {base / best:.2f}x faster, {tuple(best_cfg)}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -27,6 +27,7 @@ from parity import record, rows_equal_while_tokens_agree
 from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
+from moetrace.layers import moe
 from moetrace.models.loader import fill_dummy, instantiate
 
 pytestmark = [
@@ -75,9 +76,17 @@ def run(model, prompts: dict[str, list[int]], **engine) -> tuple[dict, LLMEngine
     return done, eng
 
 
-@pytest.mark.parametrize("weight_format", ["dense", "mxfp4"])
-def test_every_module_on_the_kernels_and_graphs_replay_eager_steps(weight_format):
-    model = tiny_gpt_oss(weight_format)
+@pytest.mark.parametrize("weight_format", ["dense", "mxfp4", "mxfp4-checkpoint"])
+def test_every_module_on_the_kernels_and_graphs_replay_eager_steps(weight_format, monkeypatch):
+    """MXFP4 in the default fragment layout (``kernels/mxfp4_layout.py``) and, as
+    ``MOETRACE_MXFP4_LAYOUT=checkpoint`` keeps it, the checkpoint's."""
+    fmt, _, layout = weight_format.partition("-")
+    if layout:
+        monkeypatch.setattr(moe, "MXFP4_LAYOUT", layout)
+    model = tiny_gpt_oss(fmt)
+    if fmt == "mxfp4":
+        layouts = {m.mxfp4_layout for m in model.modules() if isinstance(m, moe.MoEExperts)}
+        assert layouts == {layout or "fragment"}
     # 16 prompts (a graph size) of 37-67 tokens: past the 16-token window; split-K decode.
     prompts = {f"p{i}": list(range(3 + i, 40 + 2 * i)) for i in range(16)}
     eager, _ = run(model, prompts, enforce_eager=True, max_num_seqs=16)

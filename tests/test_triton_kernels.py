@@ -621,29 +621,41 @@ def test_sinks_through_split_k(window: int | None) -> None:
 # ---------------------------------------------------------------------------
 
 
-def gpt_oss_experts(weight_format: str, hidden: int, inter: int, seed: int) -> MoEExperts:
-    """Random gpt-oss experts in BF16 on DEVICE: biases, a tight clamp, dense or MXFP4."""
+def gpt_oss_experts(
+    weight_format: str, hidden: int, inter: int, seed: int, num_experts: int = 8
+) -> MoEExperts:
+    """Random gpt-oss experts in BF16 on DEVICE: biases, a tight clamp, dense or MXFP4.
+
+    ``weight_format``: ``"dense"``, ``"mxfp4"`` (the default layout) or
+    ``"mxfp4-checkpoint"`` / ``"mxfp4-fragment"``.  MXFP4 codes and scales are
+    drawn in the checkpoint layout and loaded as a checkpoint is, so every
+    layout holds the same values for one seed.
+    """
     gen = torch.Generator().manual_seed(seed)
+    fmt, _, layout = weight_format.partition("-")
     experts = MoEExperts(
-        8,
+        num_experts,
         hidden,
         inter,
         "clamped_swiglu",
         bias=True,
         activation_args={"alpha": 1.702, "limit": 1.5},  # clamps bite: |pre-activations| ~ 1
-        weight_format=weight_format,
+        weight_format=fmt,
+        mxfp4_layout=layout or None,
     )
     with torch.no_grad():
         for name, param in experts.named_parameters():
+            if name.endswith("_scale"):
+                continue
             if param.dtype == torch.uint8:
-                if name.endswith("_scale"):  # e2m1 RMS 2.9 times 2**-(127 - s)
-                    fan_in = hidden if name.startswith("w13") else inter
-                    exponent = 127 - round(math.log2(2.9 * fan_in**0.5))
-                    param.copy_(
-                        torch.randint(exponent - 1, exponent + 2, param.shape, generator=gen)
-                    )
-                else:
-                    param.copy_(torch.randint(0, 256, param.shape, generator=gen))
+                rows, k = param.shape[1], param.shape[2] * 2
+                fan_in = hidden if name == "w13" else inter
+                exponent = 127 - round(math.log2(2.9 * fan_in**0.5))  # e2m1 RMS 2.9
+                blocks = torch.randint(0, 256, param.shape, generator=gen, dtype=torch.uint8)
+                scales = torch.randint(
+                    exponent - 1, exponent + 2, (num_experts, rows, k // 32), generator=gen
+                ).to(torch.uint8)
+                experts.load_mxfp4(name, blocks, scales)
             elif name.startswith("b"):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
             else:
@@ -651,7 +663,7 @@ def gpt_oss_experts(weight_format: str, hidden: int, inter: int, seed: int) -> M
     return experts.to(BF16).to(DEVICE)
 
 
-@pytest.mark.parametrize("weight_format", ["dense", "mxfp4"])
+@pytest.mark.parametrize("weight_format", ["dense", "mxfp4-checkpoint", "mxfp4-fragment"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 33] if INTERPRET else [1, 7, 256, 2048])
 def test_gpt_oss_experts_kernel_matches_the_plain_path(weight_format: str, num_tokens: int) -> None:
     """Biases, the clamped SwiGLU (rounded as the reference rounds) and MXFP4 decoding."""
@@ -680,7 +692,7 @@ def test_mxfp4_dot_scaled_equals_the_bit_decoder(num_tokens: int) -> None:
     """MXFP4 decoded by ``tl.dot_scaled`` and by the kernel's own bits agree, on the tiles used."""
     from moetrace.kernels.triton_moe import fused_moe_with_config, moe_config
 
-    experts = gpt_oss_experts("mxfp4", 2880, 2880, seed=3)
+    experts = gpt_oss_experts("mxfp4-checkpoint", 2880, 2880, seed=3)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(num_tokens, 2880, generator=gen).to(BF16).to(DEVICE)
     weights, ids = skewed_routing(num_tokens, 8, 4, gen)
@@ -700,3 +712,136 @@ def test_mxfp4_dot_scaled_equals_the_bit_decoder(num_tokens: int) -> None:
         for native in (True, False)
     ]
     assert rel_err(outs[0], outs[1].float()) < TOL[BF16] / 3
+
+
+# ---------------------------------------------------------------------------
+# MXFP4 in the fragment layout (kernels/mxfp4_layout.py)
+# ---------------------------------------------------------------------------
+
+# Scales from the bottom of the e8m0 range to the top a checkpoint could use (the generic
+# decoder reaches 240; the fast one 128, past which load_mxfp4 flags the experts).
+EDGE_SCALES = (0, 1, 2, 64, 110, 120, 126, 127, 128)
+
+
+def fragment_matrix(rows: int, k: int, scales: tuple[int, ...], seed: int):
+    """Random codes (every code in every row, 0.5 and -0 included) under the given scales:
+    checkpoint ``(blocks, scales)`` and the same matrix in the fragment layout."""
+    from moetrace.kernels.mxfp4_layout import to_fragment
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows, k // 2), generator=gen, dtype=torch.uint8)
+    blocks[:, :8] = torch.arange(0, 16, 2) | (torch.arange(1, 16, 2) << 4)  # codes 0..15
+    choice = torch.tensor(scales, dtype=torch.uint8)
+    scale = choice[torch.randint(0, len(scales), (rows, k // 32), generator=gen)]
+    return (blocks, scale), to_fragment(blocks, scale, gate_up=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fragment_generic_decoder_equals_the_reference(dtype: torch.dtype) -> None:
+    """Bit for bit, in the interpreter too; K of 96 (a step's tail), the e8m0 edges."""
+    from moetrace.kernels.triton_mxfp4 import decode_fragment
+    from moetrace.layers.mxfp4 import dequantize_mxfp4
+
+    (blocks, scales), (packed, padded) = fragment_matrix(32, 96, (*EDGE_SCALES, 200, 240), 1)
+    want = dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales, dtype)
+    got = decode_fragment(packed.to(DEVICE), padded.to(DEVICE), dtype, fast=False).cpu()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # -0 and infinities too
+
+
+@cuda_only
+@pytest.mark.parametrize("k", [96, 2880])
+def test_fragment_fast_decoder_equals_the_reference_bits(k: int) -> None:
+    """The PTX decoder (bf16 multiply of a subnormal for 0.5) against the reference and
+    the generic decoder, every code at every scale it serves."""
+    from moetrace.kernels.triton_mxfp4 import decode_fragment
+    from moetrace.layers.mxfp4 import dequantize_mxfp4
+
+    (blocks, scales), (packed, padded) = fragment_matrix(64, k, EDGE_SCALES, 2)
+    want = dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales, torch.bfloat16)
+    fast = decode_fragment(packed.to(DEVICE), padded.to(DEVICE), torch.bfloat16, fast=True)
+    generic = decode_fragment(packed.to(DEVICE), padded.to(DEVICE), torch.bfloat16, fast=False)
+    assert torch.equal(fast.cpu().view(torch.int16), want.view(torch.int16))
+    assert torch.equal(generic.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def test_fragment_kernel_odd_experts_and_tails() -> None:
+    """5 experts, K tails in both GEMMs (96 = 128 - 32), N tails (96 of 64-channel tiles and
+    128-row tiles), an empty expert; the kernel against the plain path."""
+    experts = gpt_oss_experts("mxfp4-fragment", 96, 96, seed=11, num_experts=5)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(21, 96, generator=gen).to(BF16).to(DEVICE)
+    weights, ids = skewed_routing(21, 5, 2, gen)
+    ids[ids == 3] = 4  # expert 3 gets nothing
+    weights = weights.to(BF16)
+    plain = experts.forward_torch(x, weights, ids)
+    experts.use_triton = True
+    poison_allocator()
+    fused = experts(x, weights, ids)
+    err = rel_err(fused, plain.float())
+    assert err < TOL[BF16] / 2, f"relative error {err:.2e}"
+
+
+def test_fragment_kernel_in_float32() -> None:
+    """float32 activations: the generic decoder and exact float32 products."""
+    experts = gpt_oss_experts("mxfp4-fragment", 96, 64, seed=13).float()
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(9, 96, generator=gen).to(DEVICE)
+    weights, ids = skewed_routing(9, 8, 4, gen)
+    plain = experts.forward_torch(x, weights, ids)
+    experts.use_triton = True
+    err = rel_err(experts(x, weights, ids), plain)
+    assert err < TOL[torch.float32], f"relative error {err:.2e}"
+
+
+@cuda_only
+@pytest.mark.parametrize("num_tokens", [1, 256, 2048])
+def test_fragment_fast_decoder_equals_the_generic_one_in_the_gemms(num_tokens: int) -> None:
+    """gpt-oss-20b widths, bf16: the two decoders make the same operands, so the same bits."""
+    from moetrace.kernels.triton_moe import fused_moe
+
+    experts = gpt_oss_experts("mxfp4-fragment", 2880, 2880, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(num_tokens, 2880, generator=gen).to(BF16).to(DEVICE)
+    weights, ids = skewed_routing(num_tokens, 8, 4, gen)
+    extras = experts._kernel_extras()
+    assert extras.mxfp4_layout == "fragment" and not extras.mxfp4_wide_scales
+    outs = [
+        fused_moe(
+            x,
+            experts.w13,
+            experts.w2,
+            weights.to(BF16),
+            ids,
+            activation="clamped_swiglu",
+            extras=extras._replace(mxfp4_wide_scales=wide),
+        )  # fmt: skip
+        for wide in (False, True)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
+@cuda_only
+def test_fragment_kernel_in_float32_at_gpt_oss_widths() -> None:
+    experts = gpt_oss_experts("mxfp4-fragment", 2880, 2880, seed=7).float()
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 2880, generator=gen).to(DEVICE)
+    weights, ids = skewed_routing(64, 8, 4, gen)
+    plain = experts.forward_torch(x, weights, ids)
+    experts.use_triton = True
+    err = rel_err(experts(x, weights, ids), plain)
+    assert err < TOL[torch.float32], f"relative error {err:.2e}"
+
+
+@cuda_only
+@pytest.mark.parametrize("num_tokens", [1, 256, 2048])
+def test_fragment_and_checkpoint_layouts_agree(num_tokens: int) -> None:
+    """The new kernel against the bit decoder (and tl.dot_scaled at prefill) on one model."""
+    outs = []
+    for layout in ("checkpoint", "fragment"):
+        experts = gpt_oss_experts(f"mxfp4-{layout}", 2880, 2880, seed=9)
+        experts.use_triton = True
+        gen = torch.Generator().manual_seed(10)
+        x = torch.randn(num_tokens, 2880, generator=gen).to(BF16).to(DEVICE)
+        weights, ids = skewed_routing(num_tokens, 8, 4, gen)
+        outs.append(experts(x, weights.to(BF16), ids))
+    assert rel_err(outs[1], outs[0].float()) < TOL[BF16] / 3

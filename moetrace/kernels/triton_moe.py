@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moetrace.kernels.mxfp4_layout import LAYOUTS, scale_columns
+from moetrace.kernels.triton_mxfp4 import fragment_operand
 from moetrace.kernels.triton_rounding import round_to
 
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
@@ -356,6 +358,44 @@ def _weight_dot(
     return acc
 
 
+@triton.jit
+def _gated_activation(
+    acc_g,
+    acc_u,
+    bias_g,
+    bias_u,
+    swiglu_alpha,
+    swiglu_limit,
+    out_dtype: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """The gate/up epilogue in float32: biases (broadcastable to the tiles), then the activation.
+
+    As the reference: each product rounded to the model dtype, then its bias
+    added (and rounded); the clamped SwiGLU rounds after each of its ops.
+    """
+    if HAS_BIAS:
+        acc_g = round_to(round_to(acc_g, out_dtype) + bias_g, out_dtype)
+        acc_u = round_to(round_to(acc_u, out_dtype) + bias_u, out_dtype)
+    elif ACTIVATION == "clamped_swiglu":
+        acc_g = round_to(acc_g, out_dtype)
+        acc_u = round_to(acc_u, out_dtype)
+    if ACTIVATION == "silu":
+        out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh via exp
+        inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+        out = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * inner))) * acc_u
+    else:  # clamped_swiglu (gpt-oss), each op rounded as the reference's 16-bit tensors are
+        g = tl.minimum(acc_g, swiglu_limit)
+        u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
+        sig = round_to(tl.sigmoid(round_to(g * swiglu_alpha, out_dtype)), out_dtype)
+        glu = round_to(g * sig, out_dtype)
+        out = round_to(u + 1.0, out_dtype) * glu
+    return out
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_kernel(
     x_ptr,
@@ -448,28 +488,15 @@ def _gate_up_kernel(
         su_ptrs += BLOCK_K // 32
 
     out_dtype: tl.constexpr = h_ptr.dtype.element_ty
+    bias_g = 0.0
+    bias_u = 0.0
     if HAS_BIAS:
-        # As the reference: each product rounded to the model dtype, then the bias added.
         b_ptrs = b_ptr + expert * stride_be + offs_n
-        bias_g = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
-        bias_u = tl.load(b_ptrs + inter, mask=n_ok, other=0.0).to(tl.float32)
-        acc_g = round_to(round_to(acc_g, out_dtype) + bias_g[None, :], out_dtype)
-        acc_u = round_to(round_to(acc_u, out_dtype) + bias_u[None, :], out_dtype)
-    elif ACTIVATION == "clamped_swiglu":
-        acc_g = round_to(acc_g, out_dtype)
-        acc_u = round_to(acc_u, out_dtype)
-    if ACTIVATION == "silu":
-        out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    elif ACTIVATION == "gelu_tanh":
-        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh via exp
-        inner = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-        out = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * inner))) * acc_u
-    else:  # clamped_swiglu (gpt-oss), each op rounded as the reference's 16-bit tensors are
-        g = tl.minimum(acc_g, swiglu_limit)
-        u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
-        sig = round_to(tl.sigmoid(round_to(g * swiglu_alpha, out_dtype)), out_dtype)
-        glu = round_to(g * sig, out_dtype)
-        out = round_to(u + 1.0, out_dtype) * glu
+        bias_g = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        bias_u = tl.load(b_ptrs + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = _gated_activation(
+        acc_g, acc_u, bias_g, bias_u, swiglu_alpha, swiglu_limit, out_dtype, ACTIVATION, HAS_BIAS
+    )
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, out.to(out_dtype), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -553,6 +580,216 @@ def _down_kernel(
     tl.store(y_ptrs, acc.to(out_dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
+# ---------------------------------------------------------------------------
+# MXFP4 in the fragment layout (kernels/mxfp4_layout.py): weights as the left operand
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _fragment_step(
+    acc,
+    w_ptr,
+    s_ptr,
+    b_ptrs,
+    w_rows,
+    b_ok,
+    k0,
+    k,
+    stride_wn,
+    stride_sn,
+    FAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MASK_K: tl.constexpr,
+):
+    """``acc + w[w_rows, k0:k0+BLOCK_K] @ b`` for a fragment-layout MXFP4 ``w``.
+
+    ``w_rows`` are in range (a tile's rows past the matrix repeat its last row:
+    no masks, so no selects after the loads; their outputs are not stored).
+    ``b_ptrs`` point at the ``[BLOCK_K, BLOCK_M]`` right operand (activations,
+    transposed) for ``k0 = 0``; ``b_ok`` masks its columns.  ``MASK_K``: the
+    step reaches past ``k`` (the tail).  Scales are never masked: a padded
+    scale row (``scale_columns``) reaches past the last step's groups, and a
+    mask along them would split the aligned copy that lets the pipeline
+    prefetch them.
+    """
+    G: tl.constexpr = BLOCK_K // 32
+    g = k0 // 32 + tl.arange(0, G)
+    t = tl.arange(0, 4)
+    rows = w_rows[:, None, None]
+    words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+    word_ptrs = words_ptr + rows * (stride_wn // 4) + (g * 4)[None, :, None] + t[None, None, :]
+    scales = tl.load(s_ptr + rows * stride_sn + g[None, :, None])
+    offs_k = tl.arange(0, BLOCK_K)
+    if MASK_K:
+        words = tl.load(word_ptrs, mask=g[None, :, None] < k // 32, other=0)
+        b_mask = b_ok[None, :] & (offs_k[:, None] < k - k0)
+    else:
+        words = tl.load(word_ptrs)
+        b_mask = b_ok[None, :]
+    b = tl.load(b_ptrs + k0, mask=b_mask, other=0.0)
+    a = fragment_operand(words, scales, b.dtype, FAST)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
+def _gate_up_fragment_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    b_ptr,
+    s_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    num_rows_padded_ptr,
+    num_pairs,
+    num_m_blocks,
+    hidden,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_ht,
+    stride_be,
+    stride_se,
+    stride_sn,
+    swiglu_alpha,
+    swiglu_limit,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """``h[row] = act(gate) * up`` for BLOCK_N channels, the weights as the left operand.
+
+    The tile ``acc [2 BLOCK_N, BLOCK_M]`` is ``w13[e, rows] @ x[tokens].T``: its
+    rows are the fragment rows of the channels (8 gate rows, then their 8 up
+    rows), so the split into gate and up is a register split.
+    """
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_rows_padded_ptr):
+        return
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ids_ptr + rows)
+    row_ok = pair < num_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+
+    w_rows = tl.minimum(2 * pid_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N), 2 * inter - 1)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    x_ptrs = x_ptr + tok[None, :] * stride_xt + tl.arange(0, BLOCK_K)[:, None]  # x.T
+    acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_full = hidden // BLOCK_K * BLOCK_K
+    for k0 in range(0, k_full, BLOCK_K):
+        acc = _fragment_step(
+            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k0, hidden, stride_wn, stride_sn,
+            FAST, PRECISION, BLOCK_K, False,
+        )  # fmt: skip
+    if not EVEN_K:
+        acc = _fragment_step(
+            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k_full, hidden, stride_wn, stride_sn,
+            FAST, PRECISION, BLOCK_K, True,
+        )  # fmt: skip
+
+    # [blocks of 8 channels, gate/up, 8, BLOCK_M] -> gate and up tiles [BLOCK_N, BLOCK_M]
+    acc = tl.permute(tl.reshape(acc, (BLOCK_N // 8, 2, 8, BLOCK_M)), (0, 2, 3, 1))
+    acc_g, acc_u = tl.split(acc)
+    acc_g = tl.reshape(acc_g, (BLOCK_N, BLOCK_M))
+    acc_u = tl.reshape(acc_u, (BLOCK_N, BLOCK_M))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    out_dtype: tl.constexpr = h_ptr.dtype.element_ty
+    bias_g = 0.0
+    bias_u = 0.0
+    if HAS_BIAS:
+        b_ptrs = b_ptr + expert * stride_be + offs_n
+        bias_g = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        bias_u = tl.load(b_ptrs + inter, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = _gated_activation(
+        acc_g, acc_u, bias_g, bias_u, swiglu_alpha, swiglu_limit, out_dtype, ACTIVATION, HAS_BIAS
+    )
+    h_ptrs = h_ptr + rows[None, :].to(tl.int64) * stride_ht + offs_n[:, None]
+    tl.store(h_ptrs, out.to(out_dtype), mask=row_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
+def _down_fragment_kernel(
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    b_ptr,
+    s_ptr,
+    topk_weights_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    num_rows_padded_ptr,
+    num_pairs,
+    num_m_blocks,
+    hidden,
+    inter,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_yt,
+    stride_be,
+    stride_se,
+    stride_sn,
+    HAS_BIAS: tl.constexpr,
+    FAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """``y[pair] = weight[pair] * w2[e] @ h[row]`` for BLOCK_N channels of ``hidden``,
+    as ``acc [BLOCK_N, BLOCK_M] = w2[e, channels] @ h[rows].T``."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_rows_padded_ptr):
+        return
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ids_ptr + rows)
+    row_ok = pair < num_pairs
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    w_rows = tl.minimum(offs_n, hidden - 1)
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    h_rows = h_ptr + rows[None, :].to(tl.int64) * stride_ht + tl.arange(0, BLOCK_K)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_full = inter // BLOCK_K * BLOCK_K
+    for k0 in range(0, k_full, BLOCK_K):
+        acc = _fragment_step(
+            acc, w_base, s_base, h_rows, w_rows, row_ok, k0, inter, stride_wn, stride_sn,
+            FAST, PRECISION, BLOCK_K, False,
+        )  # fmt: skip
+    if not EVEN_K:
+        acc = _fragment_step(
+            acc, w_base, s_base, h_rows, w_rows, row_ok, k_full, inter, stride_wn, stride_sn,
+            FAST, PRECISION, BLOCK_K, True,
+        )  # fmt: skip
+
+    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
+    out_dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        # As the reference: product rounded, bias added and rounded, then weighted.
+        bias = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc = round_to(round_to(acc, out_dtype) + bias[:, None], out_dtype)
+    acc = acc * weight[None, :]
+    y_ptrs = y_ptr + pair[None, :].to(tl.int64) * stride_yt + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(out_dtype), mask=row_ok[None, :] & n_ok[:, None])
+
+
 class MoEConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -563,7 +800,14 @@ class MoEConfig(NamedTuple):
     mxfp4_native: bool = True  # MXFP4 decoded by tl.dot_scaled (else the kernel's bit decoder)
 
 
-def moe_config(num_tokens: int, top_k: int, num_experts: int, *, mxfp4: bool = False) -> MoEConfig:
+def moe_config(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    *,
+    mxfp4: bool = False,
+    layout: str = "checkpoint",
+) -> MoEConfig:
     """Tile config by the mean rows per expert (H200, ``benchmarks/moe_tiles.py``).
 
     Few rows per expert (decode): the GEMMs stream weights.  Up to 16 rows,
@@ -573,13 +817,22 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, *, mxfp4: bool = F
     Beyond (prefill): 128x128x64 tiles, 8 warps, launch order grouped by 16
     row blocks for L2 reuse: 417 / 470 TFLOP/s at T=8192 (Qwen3 / OLMoE).
 
-    MXFP4 (gpt-oss-20b, the decoding in registers bounds it, not HBM): at
-    decode the kernel's bit decoder on 64x128 tiles (583 us at T=256) beats
-    ``tl.dot_scaled`` on any tile of the sweep (657 us at best); at prefill
-    ``tl.dot_scaled`` on 128x64 tiles, 4 warps (5.74 ms at T=8192 vs 6.93 on
-    the dense prefill tile).
+    MXFP4 in the checkpoint layout (gpt-oss-20b, the decoding in registers
+    bounds it, not HBM): at decode the kernel's bit decoder on 64x128 tiles
+    (583 us at T=256) beats ``tl.dot_scaled`` on any tile of the sweep (657 us
+    at best); at prefill ``tl.dot_scaled`` on 128x64 tiles, 4 warps (5.74 ms at
+    T=8192 vs 6.93 on the dense prefill tile).
+
+    MXFP4 in the fragment layout (``layout="fragment"``, what ``MoEExperts``
+    keeps unless ``MOETRACE_MXFP4_LAYOUT=checkpoint``): ``block_n`` counts weight
+    rows (gate/up: half as many channels), ``block_k`` a multiple of 128 (one
+    aligned copy of a row's scales).  ``FRAGMENT_DECODE``/``FRAGMENT_PREFILL``
+    are chosen from the instruction counts of the compiled loops (about 3.4
+    instructions a value against the bit decoder's 8.9), not yet timed.
     """
     rows_per_expert = num_tokens * top_k / num_experts
+    if mxfp4 and layout == "fragment":
+        return FRAGMENT_DECODE if rows_per_expert <= 160 else FRAGMENT_PREFILL
     if mxfp4:
         if rows_per_expert <= 160:
             return MoEConfig(64, 128, 64, 8, 4, 4, mxfp4_native=False)
@@ -589,6 +842,11 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, *, mxfp4: bool = F
     if rows_per_expert <= 160:
         return MoEConfig(64, 64, 64, 8, 4, 3)
     return MoEConfig(128, 128, 64, 16, 8, 3)
+
+
+# Fragment-layout MXFP4 tiles (``moe_config``): decode steps (up to 160 rows an expert), prefill.
+FRAGMENT_DECODE = MoEConfig(64, 128, 128, 8, 4, 4, mxfp4_native=False)
+FRAGMENT_PREFILL = MoEConfig(128, 128, 128, 8, 8, 3, mxfp4_native=False)
 
 
 class ExpertExtras(NamedTuple):
@@ -602,6 +860,11 @@ class ExpertExtras(NamedTuple):
     [E, 2I]`` (gate then up) and ``b2 [E, H]`` are added as the reference adds
     them: after the product is rounded to the model dtype, before the routing
     weight.  ``swiglu_*`` parametrise the ``clamped_swiglu`` activation.
+
+    ``mxfp4_layout="fragment"``: the MXFP4 bytes and scales are laid out as
+    ``kernels/mxfp4_layout.py`` describes (scales ``[E, N, scale_columns(K)]``;
+    ``w13``'s rows in blocks of 8 gate then 8 up rows); ``mxfp4_wide_scales``:
+    some scale exceeds the fast decoder's 128, so the exact generic one serves.
     """
 
     b13: torch.Tensor | None = None
@@ -611,6 +874,8 @@ class ExpertExtras(NamedTuple):
     interleaved: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mxfp4_layout: str = "checkpoint"
+    mxfp4_wide_scales: bool = False
 
 
 def fused_moe(
@@ -635,7 +900,8 @@ def fused_moe(
     """
     num_tokens, top_k = topk_ids.shape
     mxfp4 = extras is not None and extras.w13_scale is not None
-    cfg = moe_config(num_tokens, top_k, w13.shape[0], mxfp4=mxfp4)
+    layout = extras.mxfp4_layout if mxfp4 else "checkpoint"
+    cfg = moe_config(num_tokens, top_k, w13.shape[0], mxfp4=mxfp4, layout=layout)
     return fused_moe_with_config(
         hidden,
         w13,
@@ -697,9 +963,11 @@ def fused_moe_with_config(
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     mxfp4 = extras.w13_scale is not None
+    fragment = mxfp4 and extras.mxfp4_layout == "fragment"
     if mxfp4:
-        _check_mxfp4(w13, extras.w13_scale, (num_experts, 2 * inter, hidden_size), cfg.block_k)
-        _check_mxfp4(w2, extras.w2_scale, (num_experts, hidden_size, inter), cfg.block_k)
+        layout = extras.mxfp4_layout
+        _check_mxfp4(w13, extras.w13_scale, (num_experts, 2 * inter, hidden_size), cfg, layout)
+        _check_mxfp4(w2, extras.w2_scale, (num_experts, hidden_size, inter), cfg, layout)
     if num_tokens == 0:
         return hidden.new_empty((0, hidden_size))
     hidden = hidden.contiguous()
@@ -712,7 +980,7 @@ def fused_moe_with_config(
     s2 = w2 if extras.w2_scale is None else extras.w2_scale.contiguous()
     if mxfp4_native is None and not cfg.mxfp4_native:
         mxfp4_native = False
-    if mxfp4 and mxfp4_native is None and _mxfp4_native(hidden.device):
+    if mxfp4 and not fragment and mxfp4_native is None and _mxfp4_native(hidden.device):
         try:
             return fused_moe_with_config(
                 hidden, w13, w2, topk_weights, topk_ids, cfg, activation,
@@ -755,6 +1023,9 @@ def fused_moe_with_config(
     num_m_blocks = rows // cfg.block_m
     h = hidden.new_empty((rows, inter))
     y = hidden.new_empty((num_pairs, hidden_size))
+    if fragment:
+        _fragment_gemms(hidden, w13, w2, h, y, weights, routing, cfg, activation, extras)
+        return y if top_k == 1 else y.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
     grid1 = (num_m_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid1](
@@ -834,19 +1105,84 @@ def fused_moe_with_config(
 
 
 def _check_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor | None, shape: tuple[int, int, int], block_k: int
+    blocks: torch.Tensor,
+    scales: torch.Tensor | None,
+    shape: tuple[int, int, int],
+    cfg: MoEConfig,
+    layout: str,
 ) -> None:
-    """MXFP4 ``blocks [E, N, K/2]`` uint8 with ``scales [E, N, K/32]`` for a dense ``[E, N, K]``."""
+    """MXFP4 ``blocks [E, N, K/2]`` uint8 with scales for a dense ``[E, N, K]``: ``[E, N, K/32]``,
+    or in the fragment layout ``[E, N, scale_columns(K)]``."""
     e, n, k = shape
-    if k % 32 or block_k % 32:
-        raise ValueError(f"MXFP4 needs K ({k}) and the K tile ({block_k}) in multiples of 32")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown MXFP4 layout {layout!r}; have {LAYOUTS}")
+    if k % 32 or cfg.block_k % 32:
+        raise ValueError(f"MXFP4 needs K ({k}) and the K tile ({cfg.block_k}) in multiples of 32")
+    if layout == "fragment" and (cfg.block_k % 128 or cfg.block_n % 16):
+        raise ValueError(
+            f"fragment MXFP4 tiles need block_k in multiples of 128 ({cfg.block_k}) and block_n "
+            f"in multiples of 16 ({cfg.block_n})"
+        )
     if scales is None or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError("MXFP4 weights need uint8 blocks and uint8 scales")
-    if tuple(blocks.shape) != (e, n, k // 2) or tuple(scales.shape) != (e, n, k // 32):
+    groups = k // 32 if layout == "checkpoint" else scale_columns(k)
+    if tuple(blocks.shape) != (e, n, k // 2) or tuple(scales.shape) != (e, n, groups):
         raise ValueError(
             f"MXFP4 blocks {list(blocks.shape)} / scales {list(scales.shape)} do not fit "
-            f"[{e}, {n}, {k}] weights"
+            f"[{e}, {n}, {k}] weights in the {layout} layout"
         )
+
+
+def _fragment_gemms(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    routing: AlignedRouting,
+    cfg: MoEConfig,
+    activation: str,
+    extras: ExpertExtras,
+) -> None:
+    """The two GEMMs on fragment-layout MXFP4 weights: ``h`` from ``hidden``, then ``y``."""
+    num_tokens, hidden_size = hidden.shape
+    num_pairs = y.shape[0]
+    inter = h.shape[1]
+    s13, s2 = extras.w13_scale.contiguous(), extras.w2_scale.contiguous()
+    b13 = w13 if extras.b13 is None else extras.b13.contiguous()
+    b2 = w2 if extras.b2 is None else extras.b2.contiguous()
+    fast = hidden.is_cuda and hidden.dtype == torch.bfloat16 and not extras.mxfp4_wide_scales
+    num_m_blocks = routing.sorted_pair_ids.shape[0] // cfg.block_m
+    common = dict(
+        FAST=fast,
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",  # float32: exact products
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    channels = cfg.block_n // 2  # gate and up rows of each channel
+    _gate_up_fragment_kernel[(num_m_blocks * triton.cdiv(inter, channels),)](
+        hidden, w13, h, b13, s13,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded,
+        num_pairs, num_m_blocks, hidden_size, inter,
+        hidden.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0),
+        s13.stride(0), s13.stride(1),
+        extras.swiglu_alpha, extras.swiglu_limit,
+        TOP_K=num_pairs // num_tokens, ACTIVATION=activation, HAS_BIAS=extras.b13 is not None,
+        BLOCK_N=channels, EVEN_K=hidden_size % cfg.block_k == 0, **common,
+    )  # fmt: skip
+    _down_fragment_kernel[(num_m_blocks * triton.cdiv(hidden_size, cfg.block_n),)](
+        h, w2, y, b2, s2, weights,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded,
+        num_pairs, num_m_blocks, hidden_size, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0),
+        s2.stride(0), s2.stride(1),
+        HAS_BIAS=extras.b2 is not None, BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0,
+        **common,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

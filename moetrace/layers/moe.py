@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.mxfp4 import dequantize_mxfp4
+from moetrace.kernels.mxfp4_layout import LAYOUTS, from_fragment, scale_columns, to_fragment
+from moetrace.layers.mxfp4 import FAST_SCALE_MAX, MXFP4_LAYOUT, dequantize_mxfp4
 
 
 def _router_probs(router_logits: torch.Tensor) -> torch.Tensor:
@@ -192,10 +193,14 @@ class MoEExperts(nn.Module):
     got tokens; on CUDA the fused kernel serves.  Optional biases ``b13[e]``
     (gate then up) and ``b2[e]``.
 
-    ``weight_format="mxfp4"`` keeps the weights as MXFP4 checkpoints store them
-    (gpt-oss): ``w13 [E, 2I, H/2]`` and ``w2 [E, H, I/2]`` uint8, two e2m1
-    values a byte, with e8m0 scales ``w13_scale [E, 2I, H/32]`` and
-    ``w2_scale [E, H, I/32]``, and the rows of ``w13`` alternating gate and up.
+    ``weight_format="mxfp4"`` keeps the weights MXFP4 (gpt-oss): ``w13 [E, 2I,
+    H/2]`` and ``w2 [E, H, I/2]`` uint8, two e2m1 values a byte, with e8m0
+    scales ``w13_scale`` and ``w2_scale``.  ``mxfp4_layout`` says how:
+    ``"checkpoint"`` as checkpoints store them (scales ``[E, 2I, H/32]``,
+    ``[E, H, I/32]``; the rows of ``w13`` alternating gate and up), or
+    ``"fragment"`` (the default, ``layers/mxfp4.py``'s ``MXFP4_LAYOUT``),
+    re-laid once by ``load_mxfp4`` for the kernel (``kernels/mxfp4_layout.py``;
+    ``mxfp4_layout=`` overrides the default, for tests and benchmarks).
     The kernel decodes them in its K loop; the plain path decodes the experts
     it uses, at each call.  Either way the values are exact, so the model
     computes what a dequantized copy would, in a quarter of the memory.
@@ -213,15 +218,20 @@ class MoEExperts(nn.Module):
         bias: bool = False,
         activation_args: dict | None = None,
         weight_format: str = "dense",
+        mxfp4_layout: str | None = None,
     ) -> None:
         super().__init__()
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"unknown expert weight format {weight_format!r}")
+        if mxfp4_layout not in (None, *LAYOUTS):
+            raise ValueError(f"unknown MXFP4 layout {mxfp4_layout!r}; have {LAYOUTS}")
         self.num_experts = num_experts
         self.intermediate = intermediate
         self.activation = activation
         self.activation_args = dict(activation_args or {})
         self.mxfp4 = weight_format == "mxfp4"
+        self.mxfp4_layout = mxfp4_layout or MXFP4_LAYOUT
+        self.mxfp4_wide_scales = False  # a scale above the fast decoder's 128 (set at load)
         if self.mxfp4:
             if hidden % 32 or intermediate % 32:
                 raise ModelError(
@@ -232,10 +242,10 @@ class MoEExperts(nn.Module):
             self.w13 = _frozen(torch.empty(num_experts, 2 * intermediate, hidden // 2, dtype=byte))
             self.w2 = _frozen(torch.empty(num_experts, hidden, intermediate // 2, dtype=byte))
             self.w13_scale = _frozen(
-                torch.empty(num_experts, 2 * intermediate, hidden // 32, dtype=byte)
+                torch.empty(num_experts, 2 * intermediate, self._scale_columns(hidden), dtype=byte)
             )
             self.w2_scale = _frozen(
-                torch.empty(num_experts, hidden, intermediate // 32, dtype=byte)
+                torch.empty(num_experts, hidden, self._scale_columns(intermediate), dtype=byte)
             )
         else:
             self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
@@ -387,16 +397,40 @@ class MoEExperts(nn.Module):
             start += count
         return out
 
+    def _scale_columns(self, k: int) -> int:
+        return scale_columns(k) if self.mxfp4_layout == "fragment" else k // 32
+
+    def load_mxfp4(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store checkpoint MXFP4 ``blocks [E, N, K/2]`` and ``scales [E, N, K/32]`` as
+        ``name`` (``"w13"``, rows alternating gate and up, or ``"w2"``) in this layout."""
+        dst_blocks, dst_scales = getattr(self, name), getattr(self, f"{name}_scale")
+        if self.mxfp4_layout == "checkpoint":
+            dst_blocks.copy_(blocks)
+            dst_scales.copy_(scales)
+            return
+        if int(scales.max()) > FAST_SCALE_MAX:  # at load: the one host sync is fine here
+            self.mxfp4_wide_scales = True
+        for e in range(blocks.shape[0]):  # one expert at a time: the repack's int64 temporaries
+            packed, padded = to_fragment(
+                blocks[e].to(dst_blocks.device),
+                scales[e].to(dst_blocks.device),
+                gate_up=name == "w13",
+            )
+            dst_blocks[e].copy_(packed)
+            dst_scales[e].copy_(padded)
+
     def _dense_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert's ``w13`` and ``w2`` as matrices (MXFP4 decoded, its row order kept)."""
+        """One expert's ``w13`` and ``w2`` as matrices (MXFP4 decoded, rows in checkpoint order:
+        gate and up alternate)."""
         if not self.mxfp4:
             return self.w13[expert], self.w2[expert]
-        return (
-            dequantize_mxfp4(
-                self.w13[expert].unflatten(-1, (-1, 16)), self.w13_scale[expert], dtype
-            ),
-            dequantize_mxfp4(self.w2[expert].unflatten(-1, (-1, 16)), self.w2_scale[expert], dtype),
-        )
+        mats = []
+        for name in ("w13", "w2"):
+            blocks, scales = getattr(self, name)[expert], getattr(self, f"{name}_scale")[expert]
+            if self.mxfp4_layout == "fragment":
+                blocks, scales = from_fragment(blocks, scales, gate_up=name == "w13")
+            mats.append(dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales, dtype))
+        return mats[0], mats[1]
 
     def _kernel_extras(self):
         """Biases, MXFP4 scales and SwiGLU settings for the fused kernel (None: plain experts)."""
@@ -412,6 +446,8 @@ class MoEExperts(nn.Module):
             interleaved=self.mxfp4,
             swiglu_alpha=float(self.activation_args.get("alpha", 1.702)),
             swiglu_limit=float(self.activation_args.get("limit", 7.0)),
+            mxfp4_layout=self.mxfp4_layout if self.mxfp4 else "checkpoint",
+            mxfp4_wide_scales=self.mxfp4_wide_scales,
         )
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

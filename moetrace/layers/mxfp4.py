@@ -4,18 +4,31 @@ A quantized tensor is two checkpoint tensors: ``*_blocks [..., G, 16]`` uint8,
 each byte two FP4 (e2m1) values with the low nibble first, and
 ``*_scales [..., G]`` uint8, one e8m0 exponent per block of 32 values
 (scale ``2 ** (s - 127)``).  The 32 values of block ``g`` are elements
-``32 g .. 32 g + 31`` of the last dimension.  Experts keep them so on the
-device (``MoEExperts(weight_format="mxfp4")``); this module decodes them for
-the plain path and the tests.
+``32 g .. 32 g + 31`` of the last dimension.  Experts keep them MXFP4 on the
+device (``MoEExperts(weight_format="mxfp4")``), re-laid at load into the
+fused-MoE kernel's fragment layout (``kernels/mxfp4_layout.py``) unless
+``MOETRACE_MXFP4_LAYOUT=checkpoint`` keeps the checkpoint's (and the kernel's
+older decoders: its bit decoder at decode, ``tl.dot_scaled`` at prefill);
+this module decodes the checkpoint layout for the plain path and the tests.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from moetrace.errors import ModelError
+from moetrace.kernels.mxfp4_layout import LAYOUTS
+
+# How MoEExperts keep MXFP4 experts (read once, when the module is imported).
+MXFP4_LAYOUT = os.environ.get("MOETRACE_MXFP4_LAYOUT", "fragment")
+if MXFP4_LAYOUT not in LAYOUTS:
+    raise ModelError(f"MOETRACE_MXFP4_LAYOUT={MXFP4_LAYOUT!r}; choose one of {', '.join(LAYOUTS)}")
+# The fragment layout's fast decoder multiplies by bf16 2**(s - 1): exact up to this scale
+# (values to 12); experts with a larger one decode by the exact generic path instead.
+FAST_SCALE_MAX = 128
 
 # e2m1 by code: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; code 0b0001 is subnormal.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -12,8 +12,10 @@ columns, up odd), ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj
 [E, I, H]``, ``down_proj_bias [E, H]``; we transpose and de-interleave them
 into ``MoEExperts``' ``w13``/``w2`` at load.  Published checkpoints store
 the two expert matrices as MXFP4 (``*_blocks``/``*_scales``, see
-``layers/mxfp4.py``): those stay MXFP4, in the checkpoint's own layout
-(interleaved rows included), and the kernels decode them as they multiply.
+``layers/mxfp4.py``): those stay MXFP4, re-laid once at load for the fused-MoE
+kernel (``kernels/mxfp4_layout.py``; ``MOETRACE_MXFP4_LAYOUT=checkpoint`` keeps
+the checkpoint's own, interleaved rows included), and the kernels decode them
+as they multiply.
 Biases are de-interleaved either way.
 
 Sinks, expert biases, the clamped SwiGLU and MXFP4 are all in the Triton
@@ -247,25 +249,23 @@ def _mxfp4_loader(
     """Holds whichever of blocks/scales comes first (shards may split them), then stores both.
 
     ``gate_up_proj_blocks [E, 2I, H/32, 16]`` (rows interleaved) and
-    ``down_proj_blocks [E, H, I/32, 16]`` are ``w13`` and ``w2`` as they are,
-    their scales ``w13_scale`` and ``w2_scale``.
+    ``down_proj_blocks [E, H, I/32, 16]`` are ``w13`` and ``w2``, their
+    scales ``w13_scale`` and ``w2_scale``; ``MoEExperts.load_mxfp4`` re-lays
+    them for the kernel (``kernels/mxfp4_layout.py``) unless the experts keep
+    the checkpoint layout.
     """
-    blocks_dst, scales_dst = (
-        (experts.w13, experts.w13_scale)
-        if proj == "gate_up_proj"
-        else (experts.w2, experts.w2_scale)
-    )
+    name = "w13" if proj == "gate_up_proj" else "w2"
 
-    def load(name: str, t: torch.Tensor) -> None:
-        pending[name] = t
+    def load(key: str, t: torch.Tensor) -> None:
+        pending[key] = t
         blocks, scales = pending.get(f"{base}_blocks"), pending.get(f"{base}_scales")
         if blocks is None or scales is None:
             return
         del pending[f"{base}_blocks"], pending[f"{base}_scales"]
-        e, rows, groups = scales_dst.shape
+        e, rows, half_k = getattr(experts, name).shape
+        groups = half_k // 16
         _check(f"{base}_blocks", blocks, (e, rows, groups, 16))
         _check(f"{base}_scales", scales, (e, rows, groups))
-        blocks_dst.copy_(blocks.reshape(e, rows, groups * 16))
-        scales_dst.copy_(scales)
+        experts.load_mxfp4(name, blocks.reshape(e, rows, groups * 16), scales)
 
     return load
