@@ -827,8 +827,10 @@ def moe_config(
     keeps unless ``MOETRACE_MXFP4_LAYOUT=checkpoint``): ``block_n`` counts weight
     rows (gate/up: half as many channels), ``block_k`` a multiple of 128 (one
     aligned copy of a row's scales).  ``FRAGMENT_DECODE``/``FRAGMENT_PREFILL``
-    are chosen from the instruction counts of the compiled loops (about 3.4
-    instructions a value against the bit decoder's 8.9), not yet timed.
+    are the H200 sweep's best (``benchmarks/moe_tiles.py``): 32 tokens x 128
+    rows x 128, 4 warps, 3 stages at T=256, 364 us (1.60x the bit decoder's
+    best, 582 us); 128 x 128 x 128, 4 warps at T=8192, 4.62 ms (1.25x
+    ``tl.dot_scaled``'s best, 5.76 ms).
     """
     rows_per_expert = num_tokens * top_k / num_experts
     if mxfp4 and layout == "fragment":
@@ -845,8 +847,8 @@ def moe_config(
 
 
 # Fragment-layout MXFP4 tiles (``moe_config``): decode steps (up to 160 rows an expert), prefill.
-FRAGMENT_DECODE = MoEConfig(64, 128, 128, 8, 4, 4, mxfp4_native=False)
-FRAGMENT_PREFILL = MoEConfig(128, 128, 128, 8, 8, 3, mxfp4_native=False)
+FRAGMENT_DECODE = MoEConfig(32, 128, 128, 8, 4, 3, mxfp4_native=False)
+FRAGMENT_PREFILL = MoEConfig(128, 128, 128, 8, 4, 3, mxfp4_native=False)
 
 
 class ExpertExtras(NamedTuple):
