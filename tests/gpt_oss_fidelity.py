@@ -26,6 +26,7 @@ from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
 from moetrace.layers.mxfp4 import dequantize_mxfp4
+from moetrace.layers.residual import total
 from moetrace.models.loader import instantiate
 
 # gpt-oss-20b's widths, heads, experts and window; fewer layers and a small vocabulary.
@@ -162,9 +163,12 @@ def layer_forced_rows(
     router_inputs: dict[int, torch.Tensor] = {}
 
     def force(args, i):
-        x = args[0].clone()
+        # A layer takes (its predecessor's output, the stream before it): the stream it
+        # reads is their sum, so the forced stream goes in whole, with no residual.
+        out, residual, *rest = args
+        x = total(out).clone() if residual is None else residual + total(out)
         x[:n] = layer_inputs[i]
-        return (x, *args[1:])
+        return (x, None, *rest)
 
     eng = start_engine(ours, [sequence], 1, device, **engine)
     hooks = [

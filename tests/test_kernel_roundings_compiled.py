@@ -69,3 +69,65 @@ def test_sink_attention_divides_as_ieee():
     }  # fmt: skip
     code = ptx(triton_attention._paged_attention_kernel, constants, num_warps=4, num_stages=2)
     assert "div.rn.f32" in code
+
+
+def _ttgir_and_ptx(fn, pointers: dict, constants: dict, num_warps: int) -> tuple[str, str]:
+    """As a launch specialises them: pointers and every int multiple of 16 (as the strides
+    and widths of these cases are); no FMA contraction, as the norm kernels launch."""
+    names = fn.arg_names
+    sig = {
+        n: "constexpr" if n in constants else pointers.get(n, SCALARS.get(n, "i32")) for n in names
+    }
+    sig.update({n: "fp32" for n in ("q_eps", "k_eps") if n in sig})
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if sig[n] not in ("constexpr", "fp32")
+    }
+    source = ASTSource(fn, sig, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    out = triton.compile(
+        source, target=H200, options={"num_warps": num_warps, "enable_fp_fusion": False}
+    )
+    return out.asm["ttgir"], out.asm["ptx"]
+
+
+def _reduce_layouts(ttgir: str) -> set[str]:
+    """The layouts the kernel's reductions run over (the order of a sum follows the layout)."""
+    import re
+
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    found = re.findall(r'"tt\.reduce"\(%[^)]*\).*?\}\) : \(tensor<\w+, (#\w+)>', ttgir, re.S)
+    return {aliases[a] for a in found}
+
+
+@pytest.mark.parametrize(("block", "warps"), [(128, 1), (2048, 8)])
+def test_fused_norm_kernels_reduce_as_rms_norm_and_fuse_no_fma(block, warps):
+    """The fused kernels' norms must give ``_rms_norm_kernel``'s bits: their sums run over
+    the same layout (so in the same order) and no product fuses into an add."""
+    from moetrace.kernels import triton_qkv, triton_residual
+
+    bf16 = {
+        n: "*bf16"
+        for n in (
+            "x_ptr", "w_ptr", "out_ptr", "extra_ptr", "res_ptr", "res_out_ptr", "qkv_ptr",
+            "cos_ptr", "sin_ptr", "q_weight_ptr", "k_weight_ptr", "q_out_ptr", "k_cache_ptr",
+            "v_cache_ptr",
+        )
+    }  # fmt: skip
+    bf16["slot_ptr"] = "*i64"
+    norm, _ = _ttgir_and_ptx(
+        triton_norm._rms_norm_kernel, bf16, {"BLOCK_D": block, "WEIGHT_IN_FLOAT32": False}, warps
+    )
+    want = _reduce_layouts(norm)
+    assert len(want) == 1
+    add = {"BLOCK_D": block, "ROWS": 8, "HAS_EXTRA": True, "STORE_RESIDUAL": True}
+    add_ir, add_ptx = _ttgir_and_ptx(triton_residual._add_rms_norm_kernel, bf16, add, warps)
+    heads = block // 128
+    qkv = {
+        "NUM_HEADS": max(heads, 4), "NUM_KV_HEADS": heads if heads > 1 else 2, "HEAD_DIM": 128,
+        "GROUP": heads, "NORM": True, "BLOCK_N": block, "BLOCK_G": heads, "BLOCK_HALF": 64,
+        "BLOCK_D": 128, "BLOCK_SIZE": 16,
+    }  # fmt: skip
+    qkv_ir, qkv_ptx = _ttgir_and_ptx(triton_qkv._qkv_rope_store_kernel, bf16, qkv, warps)
+    assert _reduce_layouts(add_ir) == want and _reduce_layouts(qkv_ir) == want
+    assert "fma.rn.f32" not in add_ptx and "fma.rn.f32" not in qkv_ptx

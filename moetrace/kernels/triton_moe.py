@@ -12,7 +12,8 @@ padded to the GEMM's BLOCK_M (two small Triton kernels, sizes bounded statically
 by ``T*k + min(E, T*k) * (BLOCK_M - 1)``, so no host sync and CUDA-graph safe);
 then one kernel does gate/up GEMM with the activation in its epilogue (the
 2I-wide intermediate never reaches memory), and a second does the down GEMM,
-scales by the routing weight and writes each pair's row; a sum over k ends it.
+scales by the routing weight and writes each pair's row; a sum over k ends it
+(or the residual add that follows does, ``kernels/triton_residual.py``).
 
 ``grouped_mm`` path: the same sort, a gather of the hidden rows, two
 ``torch.nn.functional.grouped_mm`` calls with int32 cumulative offsets, and a
@@ -569,7 +570,8 @@ def _down_kernel(
         w_ptrs += W_STEP
         s_ptrs += BLOCK_K // 32
 
-    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
+    # 16-bit routing weights widen exactly here: no float32 copy of them is made first.
+    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     out_dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
         # As the reference: product rounded, bias added and rounded, then weighted.
@@ -779,7 +781,8 @@ def _down_fragment_kernel(
             FAST, PRECISION, BLOCK_K, True,
         )  # fmt: skip
 
-    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
+    # 16-bit routing weights widen exactly here: no float32 copy of them is made first.
+    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     out_dtype: tl.constexpr = y_ptr.dtype.element_ty
     if HAS_BIAS:
         # As the reference: product rounded, bias added and rounded, then weighted.
@@ -893,12 +896,13 @@ def fused_moe(
     capture_weights: torch.Tensor | None = None,
     aligned: AlignedRouting | None = None,
     weights_f32: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
     """Routed experts' output ``[T, H]`` through two Triton grouped GEMMs (see module doc).
 
     ``capture`` (``capture_weights``): a ``[T, k]`` view of the routing capture
-    buffer the ids (the weights) are also written to.  ``aligned``/``weights_f32``:
-    see ``fused_moe_with_config``.
+    buffer the ids (the weights) are also written to.  ``aligned``/``weights_f32``
+    and ``combine``: see ``fused_moe_with_config``.
     """
     num_tokens, top_k = topk_ids.shape
     mxfp4 = extras is not None and extras.w13_scale is not None
@@ -917,6 +921,7 @@ def fused_moe(
         extras=extras,
         aligned=aligned,
         weights_f32=weights_f32,
+        combine=combine,
     )
 
 
@@ -944,6 +949,7 @@ def fused_moe_with_config(
     capture_weights: torch.Tensor | None = None,
     aligned: AlignedRouting | None = None,
     weights_f32: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
     """``fused_moe`` with an explicit tile config (benchmarks sweep these).
 
@@ -952,7 +958,9 @@ def fused_moe_with_config(
     default the config's choice.  ``aligned`` and ``weights_f32``: the pairs
     already grouped for ``cfg.block_m`` and the weights in float32, as the
     fused routing kernels hand them over (``kernels/triton_routing.py``);
-    the alignment and the weights' cast are then skipped.
+    the alignment and the weights' cast are then skipped.  ``combine=False``:
+    the pairs' rows ``[T, k, H]`` come back un-summed, for the residual add
+    to sum (``kernels/triton_residual.py``).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}; have {ACTIVATIONS}")
@@ -987,7 +995,7 @@ def fused_moe_with_config(
             return fused_moe_with_config(
                 hidden, w13, w2, topk_weights, topk_ids, cfg, activation,
                 capture=capture, capture_weights=capture_weights, extras=extras,
-                mxfp4_native=True, aligned=aligned, weights_f32=weights_f32,
+                mxfp4_native=True, aligned=aligned, weights_f32=weights_f32, combine=combine,
             )  # fmt: skip
         except Exception as exc:  # a compile failure: Triton raises several types
             if torch.cuda.is_current_stream_capturing():
@@ -1010,7 +1018,7 @@ def fused_moe_with_config(
             topk_weights=topk_weights,
             capture_weights=capture_weights,
         )
-        weights = topk_weights.reshape(-1).to(torch.float32)
+        weights = topk_weights.reshape(-1)  # the down GEMM widens them as it loads them
     else:
         if aligned.block_m != cfg.block_m or weights_f32 is None:
             raise ValueError(
@@ -1027,6 +1035,8 @@ def fused_moe_with_config(
     y = hidden.new_empty((num_pairs, hidden_size))
     if fragment:
         _fragment_gemms(hidden, w13, w2, h, y, weights, routing, cfg, activation, extras)
+        if not combine:
+            return y.view(num_tokens, top_k, hidden_size)
         return y if top_k == 1 else y.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
     grid1 = (num_m_blocks * triton.cdiv(inter, cfg.block_n),)
@@ -1101,6 +1111,8 @@ def fused_moe_with_config(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if not combine:
+        return y.view(num_tokens, top_k, hidden_size)
     if top_k == 1:
         return y
     return y.view(num_tokens, top_k, hidden_size).sum(dim=1)
@@ -1261,11 +1273,14 @@ def moe_forward(
     capture_weights: torch.Tensor | None = None,
     aligned: AlignedRouting | None = None,
     weights_f32: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
     """Routed experts' output with the faster measured implementation for this T.
 
     ``aligned``/``weights_f32`` (from ``kernels/triton_routing.py``) go to the
     Triton kernels; a caller passes them only where ``uses_grouped_mm`` is false.
+    ``combine=False``: the Triton kernels return the un-summed ``[T, k, H]``
+    rows (``fused_moe_with_config``); ``grouped_mm`` sums them anyway.
 
     ``capture`` (a ``[T, k]`` view of the routing capture buffer) receives the
     ids, ``capture_weights`` (likewise) the weights.
@@ -1301,6 +1316,7 @@ def moe_forward(
         capture_weights=capture_weights,
         aligned=aligned,
         weights_f32=weights_f32,
+        combine=combine,
     )
 
 

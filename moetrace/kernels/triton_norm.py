@@ -29,7 +29,39 @@ import torch
 import triton
 import triton.language as tl
 
-from moetrace.kernels.triton_rounding import round_to_bf16
+from moetrace.kernels.triton_rounding import round_to
+
+
+@triton.jit
+def rms_rstd(x, inv_dim, eps):
+    """``1 / sqrt(mean(x**2) + eps)`` of a float32 row ``[BLOCK]``, as torch's CUDA ops round it.
+
+    The mean is the sum times ``float32(1 / dim)``, then eps is added; kernels
+    using it launch without FMA contraction.  Every kernel that must give
+    ``_rms_norm_kernel``'s result reduces through here, over the same 1-D
+    block with the same warps (the order of the sum follows the layout).
+    """
+    return tl.rsqrt(tl.sum(x * x, 0) * inv_dim + eps)  # libdevice rsqrtf, as torch's CUDA rsqrt
+
+
+@triton.jit
+def rms_scale(x, rstd, w, dtype: tl.constexpr):
+    """``w * (x * rstd)`` rounded to ``dtype`` after each product, as ``_rms_norm_kernel``
+    rounds, on the bits (kept in float32, so a caller may keep computing exactly)."""
+    return round_to(w * round_to(x * rstd, dtype), dtype)
+
+
+@triton.jit
+def rotate_halves(f1, f2, c1, c2, s1, s2, dtype: tl.constexpr):
+    """Half-split rotary of the halves ``f1``/``f2`` (float32 holding ``dtype`` values).
+
+    ``x * cos + cat(-x2, x1) * sin``: each product and the sum rounded to
+    ``dtype``, the torch expression's three roundings (a product of two 16-bit
+    values is exact in float32).  Returns the (first, second) halves.
+    """
+    lo = round_to(round_to(f1 * c1, dtype) + round_to(-(f2 * s1), dtype), dtype)
+    hi = round_to(round_to(f2 * c2, dtype) + round_to(f1 * s2, dtype), dtype)
+    return lo, hi
 
 
 @triton.jit
@@ -52,9 +84,7 @@ def _rms_norm_kernel(
     d = tl.arange(0, BLOCK_D)
     ok = d < dim
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
-    # torch's CUDA mean multiplies the sum by float32(1 / dim); eps is added to
-    # the rounded mean (launched without FMA contraction, see ``rms_norm``).
-    rstd = tl.rsqrt(tl.sum(x * x, 0) * inv_dim + eps)  # libdevice rsqrtf, as torch's CUDA rsqrt
+    rstd = rms_rstd(x, inv_dim, eps)  # launched without FMA contraction, see ``rms_norm``
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if WEIGHT_IN_FLOAT32:  # gpt-oss: the weight multiplies the float32 row, one rounding
         y = (w * (x * rstd)).to(out_ptr.dtype.element_ty)
@@ -137,10 +167,7 @@ def _rotary_kernel(
     ty = out_ptr.dtype.element_ty
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     c1, c2, s1, s2 = c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
-    # out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to
-    # bfloat16 (a product of two bfloat16 values is exact in float32).
-    lo = round_to_bf16(round_to_bf16(f1 * c1) + round_to_bf16(-(f2 * s1)))
-    hi = round_to_bf16(round_to_bf16(f2 * c2) + round_to_bf16(f1 * s2))
+    lo, hi = rotate_halves(f1, f2, c1, c2, s1, s2, tl.bfloat16)
     dst = out_ptr + (t * num_heads + h[:, None]) * (2 * HALF) + i[None, :]
     tl.store(dst, lo.to(ty), mask=ok)
     tl.store(dst + HALF, hi.to(ty), mask=ok)

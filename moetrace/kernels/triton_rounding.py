@@ -47,3 +47,17 @@ def round_to(v, dtype: tl.constexpr):
         return round_to_fp16(v)
     else:
         return v
+
+
+@triton.jit
+def narrow(v, dtype: tl.constexpr):
+    """``v``, a float32 already holding a value of ``dtype``, stored as ``dtype`` exactly.
+
+    bfloat16 as the top half of the bits: the interpreter's cast truncates and
+    mangles subnormals (the GPU's rounds; on rounded values both are exact).
+    """
+    if dtype == tl.bfloat16:
+        out = (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = v.to(dtype)
+    return out

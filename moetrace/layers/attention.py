@@ -110,11 +110,20 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H, D]."""
         meta = get_attention_metadata()
         if self.use_triton:
-            from moetrace.kernels.triton_attention import paged_attention as attend
             from moetrace.kernels.triton_attention import store_kv
         else:
-            attend, store_kv = paged_attention_torch, store_kv_torch
+            store_kv = store_kv_torch
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q)
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D] → [T, H, D], the step's keys and values already in the cache
+        (``forward`` stores them; a fused kernel may have, ``kernels/triton_qkv.py``)."""
+        meta = get_attention_metadata()
+        if self.use_triton:
+            from moetrace.kernels.triton_attention import paged_attention as attend
+        else:
+            attend = paged_attention_torch
         return attend(
             q,
             self.k_cache,

@@ -20,6 +20,7 @@ from torch import nn
 from moetrace.errors import ModelError
 from moetrace.kernels.mxfp4_layout import LAYOUTS, from_fragment, scale_columns, to_fragment
 from moetrace.layers.mxfp4 import FAST_SCALE_MAX, MXFP4_LAYOUT, dequantize_mxfp4
+from moetrace.layers.residual import ExpertRows, SubLayerOutput
 
 
 def _router_probs(router_logits: torch.Tensor) -> torch.Tensor:
@@ -337,7 +338,15 @@ class MoEExperts(nn.Module):
             )
         return pending.destination, pending.weights_destination
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *, keep_rows: bool = False
+    ) -> SubLayerOutput:
+        """``[T, H]``: each token's weighted sum of its experts' outputs.
+
+        ``keep_rows``: on the kernels, the pairs' rows come back un-summed
+        (``ExpertRows``) for the residual add to sum (``layers/residual.py``);
+        not with forward hooks, which expect the sum (sequence parallelism's).
+        """
         prepared, self._prepared = self._prepared, None
         if prepared is not None and (prepared.ids is not ids or prepared.weights is not weights):
             raise RuntimeError("routing: the experts got other ids or weights than prepared")
@@ -347,7 +356,7 @@ class MoEExperts(nn.Module):
         if self.use_triton:
             from moetrace.kernels.triton_moe import moe_forward
 
-            return moe_forward(
+            out = moe_forward(
                 x,
                 self.w13,
                 self.w2,
@@ -359,7 +368,9 @@ class MoEExperts(nn.Module):
                 capture_weights=capture_weights,
                 aligned=None if prepared is None else prepared.aligned,
                 weights_f32=None if prepared is None else prepared.weights_f32,
+                combine=not (keep_rows and not self._forward_hooks),
             )
+            return ExpertRows(out) if out.dim() == 3 else out
         if capture is not None:
             capture.copy_(ids)
         if capture_weights is not None:

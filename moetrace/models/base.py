@@ -31,6 +31,10 @@ class MoEBlockBase(nn.Module):
     forced_routing: ForcedRouting | None = None
     # ``select`` in the fused routing kernel's terms; None: the family routes through torch.
     routing_rule: RoutingRule | None = None
+    # Whether ``forward`` takes ``keep_rows``: its output may then be the experts' rows
+    # not yet summed (``layers/residual.ExpertRows``), which the decoder layer's residual
+    # add sums (``models/common.py``'s ``feed_forward``).
+    can_keep_rows: bool = False
     top_k: int
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

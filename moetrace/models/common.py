@@ -15,9 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
+from moetrace.forward_context import get_attention_metadata
+from moetrace.layers import residual
 from moetrace.layers.attention import PagedAttention
 from moetrace.layers.moe import MoEExperts, RoutingRule, softmax_topk, softmax_weights
 from moetrace.layers.norm import RMSNorm
+from moetrace.layers.residual import SubLayerOutput, add_norm
 from moetrace.layers.rotary import RotaryEmbedding
 from moetrace.models.base import MoEBlockBase, MoEForCausalLM
 from moetrace.models.weights import WeightMap
@@ -65,6 +68,8 @@ class SoftmaxTopKMoEBlock(MoEBlockBase):
     float64.  In 16-bit models both are the same float32 softmax.
     """
 
+    can_keep_rows = True  # its output is the experts': the residual add may sum their rows
+
     def __init__(
         self,
         num_experts: int,
@@ -89,10 +94,10 @@ class SoftmaxTopKMoEBlock(MoEBlockBase):
     def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return softmax_weights(logits, ids, renormalize=self.renormalize)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, keep_rows: bool = False) -> SubLayerOutput:
         logits = F.linear(x, self.gate)
         weights, ids = self.route_and_record(logits, x.dtype, upcast=self.logits_in_float32)
-        return self.experts(x, weights, ids)
+        return self.experts(x, weights, ids, keep_rows=keep_rows)
 
 
 class FusedQKVAttention(nn.Module):
@@ -146,7 +151,26 @@ class FusedQKVAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv(x)
+        if self._fused_rope(qkv):
+            from moetrace.kernels.triton_qkv import qkv_rope_store  # Triton only where it runs
+
+            norms = {}
+            if self.qk_norm is not None:
+                norms = {
+                    "norm": self.qk_norm,
+                    "q_weight": self.q_norm.weight,
+                    "k_weight": self.k_norm.weight,
+                    "q_eps": self.q_norm.eps,
+                    "k_eps": self.k_norm.eps,
+                }
+            meta = get_attention_metadata()
+            q = qkv_rope_store(
+                qkv, self.num_heads, self.num_kv_heads, cos, sin,
+                self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, **norms,
+            )  # fmt: skip
+            return self.o_proj(self.attn.attend(q).reshape(t, -1))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -166,10 +190,41 @@ class FusedQKVAttention(nn.Module):
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(t, -1))
 
+    def _fused_rope(self, qkv: torch.Tensor) -> bool:
+        """Whether one kernel does the q/k norms, rotary and the KV store
+        (``kernels/triton_qkv.py``): bit-identical to the ops it replaces, which it
+        rounds as, so only where those are its kind (16-bit, the norms on their
+        kernel, no clamp, aligned rows; a norm over the whole projection with as many q
+        as kv heads)."""
+        if not (residual.FUSED_NORMS and self.attn.use_triton):
+            return False
+        if qkv.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if self.clip is not None or self.head_dim % 2 or not residual.sixteen_byte_rows(qkv):
+            return False
+        if self.qk_norm is None:
+            return True
+        norms = (self.q_norm, self.k_norm)
+        if not all(n.use_triton and type(n).forward is RMSNorm.forward for n in norms):
+            return False
+        return self.qk_norm == "head" or self.num_heads == self.num_kv_heads
+
+
+def feed_forward(module: nn.Module, x: torch.Tensor) -> SubLayerOutput:
+    """A layer's feed-forward on ``x``.  An MoE block that can (``can_keep_rows``)
+    leaves its experts' rows un-summed, for the residual add to sum; not under a
+    forward hook (tensor and sequence parallelism's), which needs the summed output."""
+    if getattr(module, "can_keep_rows", False) and not module._forward_hooks:
+        return module(x, keep_rows=True)
+    return module(x)
+
 
 class PreNormDecoderLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``x + ffn(norm(x))``.
+    """``x + attn(norm(x))`` then ``x + ffn(norm(x))``, each add done by the next norm.
 
+    A layer takes the previous layer's output and the residual stream before it
+    (None at the first layer) and returns its own pair; the add of a pair is the
+    next norm's (``layers/residual.add_norm``), where the kernels fuse them.
     ``ffn_name`` is the checkpoint's name for the feed-forward (``mlp`` or
     ``block_sparse_moe``): sharding and the weight maps find it by that name.
     """
@@ -188,12 +243,19 @@ class PreNormDecoderLayer(nn.Module):
         self.ffn_name = ffn_name
         setattr(self, ffn_name, ffn)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.ffn_name)(x)
+    def ffn(self, x: torch.Tensor) -> SubLayerOutput:
+        return feed_forward(getattr(self, self.ffn_name), x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.ffn(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: SubLayerOutput,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[SubLayerOutput, torch.Tensor]:
+        h, residual = add_norm(self.input_layernorm, x, residual)
+        h, residual = add_norm(self.post_attention_layernorm, self.self_attn(h, cos, sin), residual)
+        return self.ffn(h), residual
 
 
 class DecoderLM(MoEForCausalLM):
@@ -236,9 +298,10 @@ class DecoderLM(MoEForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
         encoding = self.position_encoding(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, *encoding)
-        return self.norm(x)
+            x, residual = layer(x, residual, *encoding)
+        return add_norm(self.norm, x, residual, keep_residual=False)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

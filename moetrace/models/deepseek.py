@@ -37,9 +37,10 @@ from moetrace.layers.moe import (
     softmax_weights,
 )
 from moetrace.layers.norm import RMSNorm
+from moetrace.layers.residual import SubLayerOutput, add_norm, plus
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
 from moetrace.models.base import MoEBlockBase
-from moetrace.models.common import DecoderLM, map_experts, map_norms
+from moetrace.models.common import DecoderLM, feed_forward, map_experts, map_norms
 from moetrace.models.weights import WeightMap
 
 # transformers' config defaults for the routing keys a config.json may leave out.
@@ -99,6 +100,8 @@ class GatedMLP(nn.Module):
 
 
 class DeepseekMoE(MoEBlockBase):
+    can_keep_rows = True  # routed rows plus the shared experts: ``plus`` keeps them apart
+
     def __init__(self, config: dict, version: int) -> None:
         super().__init__()
         hidden = config["hidden_size"]
@@ -149,12 +152,12 @@ class DeepseekMoE(MoEBlockBase):
             return sigmoid_weights(logits, ids, renormalize=self.renormalize)
         return softmax_weights(logits, ids, renormalize=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, keep_rows: bool = False) -> SubLayerOutput:
         logits = F.linear(x.to(torch.float32), self.gate)
         weights, ids = self.route_and_record(logits, torch.float32, scaling=self.scaling)
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids, keep_rows=keep_rows)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = plus(out, self.shared_experts(x))
         return out
 
 
@@ -178,9 +181,13 @@ class DeepseekDecoderLayer(nn.Module):
             else GatedMLP(hidden, config["intermediate_size"], act, bias=bias)
         )
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: SubLayerOutput, residual: torch.Tensor | None, rope: Rope
+    ) -> tuple[SubLayerOutput, torch.Tensor]:
+        """As ``PreNormDecoderLayer``: the adds are the next norm's (``add_norm``)."""
+        h, residual = add_norm(self.input_layernorm, x, residual)
+        h, residual = add_norm(self.post_attention_layernorm, self.self_attn(h, rope), residual)
+        return feed_forward(self.mlp, h), residual
 
 
 class DeepseekForCausalLM(DecoderLM):

@@ -19,6 +19,7 @@ from torch import nn
 from moetrace.errors import ModelError
 from moetrace.layers.moe import MoEExperts, RoutingRule, topk_softmax, topk_softmax_weights
 from moetrace.layers.norm import RMSNorm
+from moetrace.layers.residual import add_norm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
 from moetrace.models.base import MoEBlockBase
 from moetrace.models.common import (
@@ -78,10 +79,13 @@ class GraniteMoeDecoderLayer(PreNormDecoderLayer):
         )
         self.residual_multiplier = _multiplier(config, "residual_multiplier")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin) * self.residual_multiplier
-        moe_out = self.block_sparse_moe(self.post_attention_layernorm(x))
-        return x + moe_out * self.residual_multiplier
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = add_norm(self.input_layernorm, x, residual)
+        attn = self.self_attn(h, cos, sin) * self.residual_multiplier
+        h, residual = add_norm(self.post_attention_layernorm, attn, residual)
+        return self.block_sparse_moe(h) * self.residual_multiplier, residual
 
 
 class GraniteMoeForCausalLM(DecoderLM):

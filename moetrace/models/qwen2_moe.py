@@ -17,6 +17,7 @@ from torch import nn
 
 from moetrace.errors import ModelError
 from moetrace.layers.norm import RMSNorm
+from moetrace.layers.residual import SubLayerOutput, plus
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
 from moetrace.models.common import (
     DecoderLM,
@@ -70,10 +71,10 @@ class Qwen2MoeBlock(SoftmaxTopKMoEBlock):
         self.shared_expert = DenseMLP(hidden, config["shared_expert_intermediate_size"])
         self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = super().forward(x)
+    def forward(self, x: torch.Tensor, *, keep_rows: bool = False) -> SubLayerOutput:
+        routed = super().forward(x, keep_rows=keep_rows)
         shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
-        return routed + shared
+        return plus(routed, shared)
 
 
 class Qwen2MoeForCausalLM(DecoderLM):
