@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import graph_replay
 import torch
 import triton
 from triton.testing import do_bench
@@ -63,18 +64,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """Capture one call of ``fn`` in a CUDA graph; return its replay."""
-    if SMOKE:
-        return fn
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    """``fn`` itself in smoke runs (no CUDA), else its CUDA-graph replay."""
+    return fn if SMOKE else graph_replay.graphed(fn)
 
 
 def try_bench(

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import graph_replay
 import torch
 
 from moetrace.kernels import triton_moe as tm
@@ -161,15 +162,7 @@ def time_graph(fn) -> float:
 
     fn()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    return do_bench(graph_replay.graphed(fn), warmup=10, rep=60, return_mode="median")
 
 
 def main() -> None:
