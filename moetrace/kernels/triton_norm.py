@@ -24,12 +24,31 @@ against the plain path; float32 runs take the plain path.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from moetrace.kernels.triton_rounding import round_to
+
+
+class NormLaunch(NamedTuple):
+    """How ``rms_norm`` reduces a row of ``dim`` values: its block, the float32
+    ``1 / dim`` it scales the sum by (as torch's CUDA mean does), its warps."""
+
+    block: int
+    inv_dim: float
+    num_warps: int
+
+
+def norm_launch(dim: int) -> NormLaunch:
+    """``rms_norm``'s launch for rows of ``dim``: a kernel that must sum a row's squares
+    as it does (``rms_rstd``) launches with the same block and warps, since the
+    order of the sum follows the layout."""
+    block = triton.next_power_of_2(dim)
+    return NormLaunch(block, float(np.float32(1.0) / np.float32(dim)), min(8, max(1, block // 256)))
 
 
 @triton.jit
@@ -116,7 +135,7 @@ def rms_norm(
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if t * h == 0:
         return out
-    block_d = triton.next_power_of_2(d)
+    launch = norm_launch(d)
     _rms_norm_kernel[(t * h,)](
         rows,
         weight,
@@ -125,11 +144,11 @@ def rms_norm(
         rows.stride(0),
         rows.stride(1),
         d,
-        float(np.float32(1.0) / np.float32(d)),  # the float32 quotient, as torch's factor
+        launch.inv_dim,
         eps,
-        BLOCK_D=block_d,
+        BLOCK_D=launch.block,
         WEIGHT_IN_FLOAT32=weight_in_float32,
-        num_warps=min(8, max(1, block_d // 256)),
+        num_warps=launch.num_warps,
         # torch squares, sums, scales and adds eps in separate roundings: no
         # product may fuse into an add.  Memory-bound: costs nothing measurable.
         enable_fp_fusion=False,

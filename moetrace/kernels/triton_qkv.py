@@ -30,12 +30,11 @@ L1), so no value moves between threads.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from moetrace.kernels.triton_norm import rms_rstd, rms_scale, rotate_halves
+from moetrace.kernels.triton_norm import norm_launch, rms_rstd, rms_scale, rotate_halves
 from moetrace.kernels.triton_rounding import narrow
 
 NORMS = (None, "head", "full")
@@ -207,7 +206,7 @@ def qkv_rope_store(
         return q
     group = num_heads if norm == "full" else 1
     norm_dim = group * d
-    block_n = triton.next_power_of_2(norm_dim)
+    launch = norm_launch(norm_dim)
     weights = (q_weight, k_weight) if norm is not None else (q, q)  # unused without a norm
     _qkv_rope_store_kernel[(t, num_heads // group + num_kv_heads // group)](
         qkv,
@@ -227,7 +226,7 @@ def qkv_rope_store(
         v_cache.stride(1),
         v_cache.stride(2),
         norm_dim,
-        float(np.float32(1.0) / np.float32(norm_dim)),  # as rms_norm passes it
+        launch.inv_dim,
         q_eps,
         k_eps,
         NUM_HEADS=num_heads,
@@ -235,13 +234,12 @@ def qkv_rope_store(
         HEAD_DIM=d,
         GROUP=group,
         NORM=norm is not None,
-        BLOCK_N=block_n,
+        BLOCK_N=launch.block,
         BLOCK_G=triton.next_power_of_2(group),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_SIZE=k_cache.shape[1],
-        # rms_norm's warps for the group's width: the sum's order follows the layout.
-        num_warps=min(8, max(1, block_n // 256)),
+        num_warps=launch.num_warps,  # rms_norm's for the group: the sum follows the layout
         enable_fp_fusion=False,  # as rms_norm: no product fused into an add
     )
     return q

@@ -32,12 +32,11 @@ interpreter (``TRITON_INTERPRET=1``) computes what the GPU does.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from moetrace.kernels.triton_norm import rms_rstd, rms_scale
+from moetrace.kernels.triton_norm import norm_launch, rms_rstd, rms_scale
 from moetrace.kernels.triton_rounding import narrow, round_to
 
 
@@ -123,7 +122,7 @@ def add_rms_norm(
     new_residual = torch.empty_like(out) if keep_residual else None
     if t == 0:
         return out, new_residual
-    block_d = triton.next_power_of_2(d)
+    launch = norm_launch(d)
     _add_rms_norm_kernel[(t,)](
         rows,
         rows if extra is None else extra,  # unused without extra
@@ -136,14 +135,13 @@ def add_rms_norm(
         0 if extra is None else extra.stride(0),
         residual.stride(0),
         d,
-        float(np.float32(1.0) / np.float32(d)),  # as rms_norm passes it
+        launch.inv_dim,
         eps,
         ROWS=k,
         HAS_EXTRA=extra is not None,
         STORE_RESIDUAL=keep_residual,
-        BLOCK_D=block_d,
-        # rms_norm's warps for this width: the sum's order follows the layout.
-        num_warps=min(8, max(1, block_d // 256)),
+        BLOCK_D=launch.block,
+        num_warps=launch.num_warps,  # rms_norm's: the sum's order follows the layout
         enable_fp_fusion=False,  # as rms_norm: no product fused into an add
     )
     return out, new_residual
