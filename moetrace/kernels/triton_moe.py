@@ -1035,9 +1035,7 @@ def fused_moe_with_config(
     y = hidden.new_empty((num_pairs, hidden_size))
     if fragment:
         _fragment_gemms(hidden, w13, w2, h, y, weights, routing, cfg, activation, extras)
-        if not combine:
-            return y.view(num_tokens, top_k, hidden_size)
-        return y if top_k == 1 else y.view(num_tokens, top_k, hidden_size).sum(dim=1)
+        return _pair_rows_out(y, num_tokens, top_k, combine)
 
     grid1 = (num_m_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid1](
@@ -1111,11 +1109,16 @@ def fused_moe_with_config(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    return _pair_rows_out(y, num_tokens, top_k, combine)
+
+
+def _pair_rows_out(y: torch.Tensor, num_tokens: int, top_k: int, combine: bool) -> torch.Tensor:
+    """The down GEMM's pair rows ``[T k, H]`` as ``fused_moe`` returns them: summed over
+    k to ``[T, H]``, or (``combine=False``) un-summed ``[T, k, H]``."""
+    rows = y.view(num_tokens, top_k, y.shape[-1])
     if not combine:
-        return y.view(num_tokens, top_k, hidden_size)
-    if top_k == 1:
-        return y
-    return y.view(num_tokens, top_k, hidden_size).sum(dim=1)
+        return rows
+    return y if top_k == 1 else rows.sum(dim=1)
 
 
 def _check_mxfp4(

@@ -79,16 +79,19 @@ def sixteen_byte_rows(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+def plain_kernel_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is a plain ``RMSNorm`` on its kernel, which the fused kernels
+    round as (a subclass that rounds its own way, gpt-oss's, overrides ``forward``)."""
+    return isinstance(norm, RMSNorm) and norm.use_triton and type(norm).forward is RMSNorm.forward
+
+
 def _fused(norm: nn.Module, out: SubLayerOutput, residual: torch.Tensor) -> bool:
-    """Whether the add+norm kernel computes this norm: a plain ``RMSNorm`` on its kernel
-    (a subclass that rounds its own way, gpt-oss's, overrides ``forward`` and is not),
-    on aligned rows (``sixteen_byte_rows``)."""
+    """Whether the add+norm kernel computes this norm: a plain one on its kernel
+    (``plain_kernel_norm``), on aligned rows (``sixteen_byte_rows``)."""
     rows, extra = out if isinstance(out, ExpertRows) else (out, None)
     return (
         FUSED_NORMS
-        and isinstance(norm, RMSNorm)
-        and norm.use_triton
-        and type(norm).forward is RMSNorm.forward
+        and plain_kernel_norm(norm)
         and residual.dtype in (torch.bfloat16, torch.float16)
         and sixteen_byte_rows(rows, extra, residual)
     )

@@ -204,8 +204,9 @@ class FusedQKVAttention(nn.Module):
             return False
         if self.qk_norm is None:
             return True
-        norms = (self.q_norm, self.k_norm)
-        if not all(n.use_triton and type(n).forward is RMSNorm.forward for n in norms):
+        if not (
+            residual.plain_kernel_norm(self.q_norm) and residual.plain_kernel_norm(self.k_norm)
+        ):
             return False
         return self.qk_norm == "head" or self.num_heads == self.num_kv_heads
 
