@@ -31,12 +31,12 @@ def random_mxfp4(shape: tuple[int, ...], k: int, seed: int, scales=(100, 129)):
 def test_fragment_round_trip(gate_up):
     """Three experts (odd), 96 values along K (a 64-value group tail); rows back in order."""
     blocks, scales = random_mxfp4((3, 48), 96, seed=1)
-    packed, padded = layout.to_fragment(blocks, scales, gate_up=gate_up)
+    packed, chunked = layout.to_fragment(blocks, scales, gate_up=gate_up)
     assert packed.shape == blocks.shape and packed.dtype == torch.uint8
-    assert padded.shape == (3, 48, layout.scale_columns(96)) == (3, 48, 16)
-    assert (padded[..., 3:] == layout.SCALE_PAD).all()
+    assert chunked.shape == (3, layout.scale_chunks(96), 48, 4) == (3, 1, 48, 4)
+    assert (chunked[..., 3:] == layout.SCALE_PAD).all()
     assert not torch.equal(packed, blocks)
-    back_blocks, back_scales = layout.from_fragment(packed, padded, gate_up=gate_up)
+    back_blocks, back_scales = layout.from_fragment(packed, chunked, gate_up=gate_up)
     assert torch.equal(back_blocks, blocks) and torch.equal(back_scales, scales)
 
 
@@ -48,10 +48,34 @@ def test_gate_up_rows_come_eight_gate_then_eight_up():
         layout.gate_up_rows(24)
 
 
-def test_scale_columns_pad_rows_to_16_bytes():
-    assert layout.scale_columns(2880) == 96  # gpt-oss: 90 groups
-    assert layout.scale_columns(32) == 16
-    assert layout.scale_columns(512) == 16
+def test_scale_chunks_hold_four_groups():
+    assert layout.scale_chunks(2880) == 23  # gpt-oss: 90 groups, the last chunk of 2
+    assert layout.scale_chunks(32) == 1
+    assert layout.scale_chunks(512) == 4
+
+
+def test_a_chunk_stores_its_words_lane_by_lane():
+    """Five groups: a chunk of four, lane t's words side by side, then a chunk of one."""
+    order = layout.word_order(5).tolist()
+    assert order[:16] == [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]
+    assert order[16:] == [16, 17, 18, 19]
+    assert sorted(layout.word_order(90).tolist()) == list(range(360))
+    # and a short chunk of two: lane t's two words at 2 t
+    assert layout.word_order(6).tolist()[16:] == [16, 20, 17, 21, 18, 22, 19, 23]
+
+
+def test_scales_of_a_chunk_sit_row_by_row():
+    """Row n's four scales of chunk c are the four bytes at (c N + n) * 4."""
+    _, scales = random_mxfp4((24,), 2880, seed=9)
+    _, chunked = layout.to_fragment(torch.zeros(24, 1440, dtype=torch.uint8), scales, gate_up=False)
+    flat = chunked.flatten()
+
+    def at(c: int, n: int) -> list[int]:
+        return flat[(c * 24 + n) * 4 :][:4].tolist()
+
+    for n, c in ((0, 0), (5, 3), (23, 21)):
+        assert at(c, n) == scales[n, 4 * c : 4 * c + 4].tolist()
+    assert at(22, 7) == [*scales[7, 88:90].tolist(), 127, 127]
 
 
 # ------------------------------------------------------------------ the fast decoder's PTX
@@ -170,7 +194,7 @@ def experts_pair(seed: int, scales=(110, 125)) -> tuple[MoEExperts, MoEExperts]:
 def test_plain_path_reads_both_layouts_alike():
     checkpoint, fragment = experts_pair(seed=3)
     assert checkpoint.mxfp4_layout == "checkpoint" and fragment.mxfp4_layout == "fragment"
-    assert fragment.w13_scale.shape == (5, 128, 16) and checkpoint.w13_scale.shape == (5, 128, 3)
+    assert fragment.w13_scale.shape == (5, 1, 128, 4) and checkpoint.w13_scale.shape == (5, 128, 3)
     for e in range(5):
         want = checkpoint._dense_weights(e, torch.float32)
         got = fragment._dense_weights(e, torch.float32)

@@ -737,12 +737,14 @@ def fragment_matrix(rows: int, k: int, scales: tuple[int, ...], seed: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fragment_generic_decoder_equals_the_reference(dtype: torch.dtype) -> None:
-    """Bit for bit, in the interpreter too; K of 96 (a step's tail), the e8m0 edges."""
+@pytest.mark.parametrize("k", [96, 288])
+def test_fragment_generic_decoder_equals_the_reference(dtype: torch.dtype, k: int) -> None:
+    """Bit for bit, in the interpreter too; K of 96 (one short chunk) and 288 (two whole
+    chunks and a short one), the e8m0 edges."""
     from moetrace.kernels.triton_mxfp4 import decode_fragment
     from moetrace.layers.mxfp4 import dequantize_mxfp4
 
-    (blocks, scales), (packed, padded) = fragment_matrix(32, 96, (*EDGE_SCALES, 200, 240), 1)
+    (blocks, scales), (packed, padded) = fragment_matrix(32, k, (*EDGE_SCALES, 200, 240), 1)
     want = dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales, dtype)
     got = decode_fragment(packed.to(DEVICE), padded.to(DEVICE), dtype, fast=False).cpu()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # -0 and infinities too

@@ -14,6 +14,15 @@ layout stores the same codes in that order instead:
   16x16 bf16 tensor-core product (``mma``/``wgmma``: k pairs ``2t, 2t+1`` and
   ``2t+8, 2t+9`` of each 16-deep slab).  The kernel multiplies weights as the
   left operand, so a word decodes into four finished operand registers.
+* **Chunks.**  A row's groups come in chunks of four (128 values, 64 bytes;
+  the last chunk may hold fewer), and inside a chunk the words go lane by
+  lane: word ``t`` of group ``j`` at ``t * n + j`` (``n`` groups in the
+  chunk).  Lane ``t`` then reads its four words of a chunk as one 16-byte
+  load, and the quad of a row reads the row's 64 bytes side by side: a warp
+  reads eight whole rows, every 32-byte sector it touches used in full, and
+  its words reach their registers in the order the decoder takes them
+  (group-major words put the four 16-byte loads of a lane 64 bytes apart
+  and cost the copy twice the sectors; docs/benchmarks.md).
 * **Bits.**  Pair ``q`` decodes to one register of two bf16 values:
   ``(word << 3 q) & 0x81C081C0`` for ``q < 3``, and three shifts for ``q = 3``
   (the bits left over): each code's sign lands on a bf16 sign bit and its
@@ -21,15 +30,17 @@ layout stores the same codes in that order instead:
   which reads as the e2m1 value times ``2**-126`` (``0.5`` as a subnormal).
   One bf16 multiply by ``2**(s - 1)`` then gives the value exactly
   (``PAIR_SHIFTS`` has the positions; ``pack_codes`` and ``unpack_codes`` are
-  the definition).
+  the definition, ``word_order`` the chunk order).
 * **Rows of a gate/up matrix.**  The checkpoint alternates gate and up rows;
   here each 16 rows are 8 gate rows then the 8 up rows of the same channels,
   so the kernel's gate and up outputs of a channel sit in one thread.
-* **Scales** stay ``[N, K/32]`` in meaning, in rows padded to a multiple of 16
-  bytes (``scale_columns``, pad value 127) so that a K step's scales are one
-  aligned copy; their rows follow the matrix's row order.
+* **Scales** are stored per chunk of four groups, rows side by side:
+  ``[C, N, 4]`` (``C = scale_chunks(K)``; a short last chunk padded with
+  127).  A K step's scales of consecutive rows are then consecutive 4-byte
+  words (the checkpoint's ``[N, K/32]`` rows put each row's four bytes in a
+  sector of their own).
 
-The bytes take the checkpoint's space (the scale padding adds 6 bytes a row
+The bytes take the checkpoint's space (the scale padding adds 2 bytes a row
 at gpt-oss's widths).  Everything here is plain torch, on any device.
 """
 
@@ -39,7 +50,7 @@ import torch
 
 LAYOUTS = ("checkpoint", "fragment")
 GROUP = 32  # values per e8m0 scale
-SCALE_ALIGN = 16  # scale rows padded to this many bytes
+CHUNK = 4  # groups per chunk: one K step of 128 values, whose words go lane by lane
 SCALE_PAD = 127  # 2**0, for the padding (never multiplied into a value)
 # Lane-0 bit positions of a pair's two codes (lane 1: +16), per pair q: sign, then
 # mantissa, exponent bit 0, exponent bit 1.  Pairs 0-2 are one shift of pair 0's
@@ -78,10 +89,39 @@ mul.rn.bf16x2 $3, $3, $5;
 """
 
 
-def scale_columns(k: int) -> int:
-    """Bytes in a fragment scale row for ``k`` values along K."""
-    groups = -(-k // GROUP)
-    return -(-groups // SCALE_ALIGN) * SCALE_ALIGN
+def scale_chunks(k: int) -> int:
+    """Chunks of four scale groups for ``k`` values along K."""
+    return -(-k // (GROUP * CHUNK))
+
+
+def word_order(groups: int, device: torch.device | None = None) -> torch.Tensor:
+    """Stored word ``i`` of a row of ``groups`` groups is group-major word ``word_order(...)[i]``
+    (word ``t`` of group ``g`` is group-major word ``4 g + t``)."""
+    order = []
+    for first in range(0, groups, CHUNK):
+        n = min(CHUNK, groups - first)
+        order += [4 * (first + j) + t for t in range(4) for j in range(n)]
+    return torch.tensor(order, device=device)
+
+
+def chunk_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Scales ``[..., N, G]`` to ``[..., scale_chunks(32 G), N, 4]``, padded with ``SCALE_PAD``."""
+    groups = scales.shape[-1]
+    chunks = -(-groups // CHUNK)
+    padded = scales.new_full((*scales.shape[:-1], chunks * CHUNK), SCALE_PAD)
+    padded[..., :groups] = scales
+    return padded.unflatten(-1, (chunks, CHUNK)).movedim(-2, -3).contiguous()
+
+
+def unchunk_scales(chunked: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of ``chunk_scales``: ``[..., C, N, 4]`` to ``[..., N, groups]``."""
+    return chunked.movedim(-3, -2).flatten(-2)[..., :groups].contiguous()
+
+
+def _reorder_words(blocks: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Row bytes ``[..., K/2]`` with their 32-bit words permuted: word ``i`` from ``order[i]``."""
+    words = blocks.contiguous().view(torch.int32)
+    return words.index_select(-1, order).view(torch.uint8)
 
 
 def checkpoint_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -146,8 +186,8 @@ def to_fragment(
     """Checkpoint ``blocks [..., N, K/2]``, ``scales [..., N, K/32]`` to the fragment layout.
 
     ``gate_up``: the rows alternate gate and up (they are regrouped, see
-    ``gate_up_rows``).  Returns ``(blocks [..., N, K/2], scales [..., N,
-    scale_columns(K)])``.
+    ``gate_up_rows``).  Returns ``(blocks [..., N, K/2], scales [...,
+    scale_chunks(K), N, 4])``.
     """
     k = blocks.shape[-1] * 2
     if k % GROUP or scales.shape[-1] != k // GROUP or scales.shape[:-1] != blocks.shape[:-1]:
@@ -158,9 +198,8 @@ def to_fragment(
         order = gate_up_rows(blocks.shape[-2], blocks.device)
         blocks, scales = blocks.index_select(-2, order), scales.index_select(-2, order)
     packed = pack_codes(checkpoint_codes(blocks))
-    padded = scales.new_full((*scales.shape[:-1], scale_columns(k)), SCALE_PAD)
-    padded[..., : scales.shape[-1]] = scales
-    return packed, padded
+    packed = _reorder_words(packed, word_order(k // GROUP, blocks.device))
+    return packed, chunk_scales(scales)
 
 
 def from_fragment(
@@ -168,8 +207,9 @@ def from_fragment(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``to_fragment``: checkpoint ``(blocks, scales)``, rows in checkpoint order."""
     k = blocks.shape[-1] * 2
-    codes = unpack_codes(blocks)
-    out_blocks, out_scales = checkpoint_blocks(codes), scales[..., : k // GROUP]
+    inverse_words = torch.argsort(word_order(k // GROUP, blocks.device))
+    codes = unpack_codes(_reorder_words(blocks, inverse_words))
+    out_blocks, out_scales = checkpoint_blocks(codes), unchunk_scales(scales, k // GROUP)
     if gate_up:
         inverse = torch.argsort(gate_up_rows(blocks.shape[-2], blocks.device))
         out_blocks = out_blocks.index_select(-2, inverse)

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetrace.kernels.mxfp4_layout import LAYOUTS, scale_columns
-from moetrace.kernels.triton_mxfp4 import fragment_operand
+from moetrace.kernels.mxfp4_layout import LAYOUTS, scale_chunks
+from moetrace.kernels.triton_mxfp4 import fragment_operand, fragment_tile
 from moetrace.kernels.triton_rounding import round_to
 
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
@@ -598,7 +598,7 @@ def _fragment_step(
     k0,
     k,
     stride_wn,
-    stride_sn,
+    stride_sc,
     FAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -610,24 +610,15 @@ def _fragment_step(
     no masks, so no selects after the loads; their outputs are not stored).
     ``b_ptrs`` point at the ``[BLOCK_K, BLOCK_M]`` right operand (activations,
     transposed) for ``k0 = 0``; ``b_ok`` masks its columns.  ``MASK_K``: the
-    step reaches past ``k`` (the tail).  Scales are never masked: a padded
-    scale row (``scale_columns``) reaches past the last step's groups, and a
-    mask along them would split the aligned copy that lets the pipeline
-    prefetch them.
+    step reaches past ``k`` (the tail).
     """
-    G: tl.constexpr = BLOCK_K // 32
-    g = k0 // 32 + tl.arange(0, G)
-    t = tl.arange(0, 4)
-    rows = w_rows[:, None, None]
-    words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-    word_ptrs = words_ptr + rows * (stride_wn // 4) + (g * 4)[None, :, None] + t[None, None, :]
-    scales = tl.load(s_ptr + rows * stride_sn + g[None, :, None])
+    words, scales = fragment_tile(
+        w_ptr, s_ptr, w_rows, k0, k, stride_wn, stride_sc, BLOCK_K, MASK_K
+    )
     offs_k = tl.arange(0, BLOCK_K)
     if MASK_K:
-        words = tl.load(word_ptrs, mask=g[None, :, None] < k // 32, other=0)
         b_mask = b_ok[None, :] & (offs_k[:, None] < k - k0)
     else:
-        words = tl.load(word_ptrs)
         b_mask = b_ok[None, :]
     b = tl.load(b_ptrs + k0, mask=b_mask, other=0.0)
     a = fragment_operand(words, scales, b.dtype, FAST)
@@ -654,7 +645,7 @@ def _gate_up_fragment_kernel(
     stride_ht,
     stride_be,
     stride_se,
-    stride_sn,
+    stride_sc,
     swiglu_alpha,
     swiglu_limit,
     TOP_K: tl.constexpr,
@@ -691,12 +682,12 @@ def _gate_up_fragment_kernel(
     k_full = hidden // BLOCK_K * BLOCK_K
     for k0 in range(0, k_full, BLOCK_K):
         acc = _fragment_step(
-            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k0, hidden, stride_wn, stride_sn,
+            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k0, hidden, stride_wn, stride_sc,
             FAST, PRECISION, BLOCK_K, False,
         )  # fmt: skip
     if not EVEN_K:
         acc = _fragment_step(
-            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k_full, hidden, stride_wn, stride_sn,
+            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k_full, hidden, stride_wn, stride_sc,
             FAST, PRECISION, BLOCK_K, True,
         )  # fmt: skip
 
@@ -742,7 +733,7 @@ def _down_fragment_kernel(
     stride_yt,
     stride_be,
     stride_se,
-    stride_sn,
+    stride_sc,
     HAS_BIAS: tl.constexpr,
     FAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -772,12 +763,12 @@ def _down_fragment_kernel(
     k_full = inter // BLOCK_K * BLOCK_K
     for k0 in range(0, k_full, BLOCK_K):
         acc = _fragment_step(
-            acc, w_base, s_base, h_rows, w_rows, row_ok, k0, inter, stride_wn, stride_sn,
+            acc, w_base, s_base, h_rows, w_rows, row_ok, k0, inter, stride_wn, stride_sc,
             FAST, PRECISION, BLOCK_K, False,
         )  # fmt: skip
     if not EVEN_K:
         acc = _fragment_step(
-            acc, w_base, s_base, h_rows, w_rows, row_ok, k_full, inter, stride_wn, stride_sn,
+            acc, w_base, s_base, h_rows, w_rows, row_ok, k_full, inter, stride_wn, stride_sc,
             FAST, PRECISION, BLOCK_K, True,
         )  # fmt: skip
 
@@ -801,6 +792,15 @@ class MoEConfig(NamedTuple):
     num_warps: int
     num_stages: int
     mxfp4_native: bool = True  # MXFP4 decoded by tl.dot_scaled (else the kernel's bit decoder)
+    maxnreg: int | None = None  # a register cap, for more resident programs (None: ptxas's)
+
+
+def _launch_options(cfg: MoEConfig) -> dict:
+    """The compile options a config sets: warps, pipeline stages and any register cap."""
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg is not None:
+        options["maxnreg"] = cfg.maxnreg
+    return options
 
 
 def moe_config(
@@ -867,7 +867,7 @@ class ExpertExtras(NamedTuple):
     weight.  ``swiglu_*`` parametrise the ``clamped_swiglu`` activation.
 
     ``mxfp4_layout="fragment"``: the MXFP4 bytes and scales are laid out as
-    ``kernels/mxfp4_layout.py`` describes (scales ``[E, N, scale_columns(K)]``;
+    ``kernels/mxfp4_layout.py`` describes (scales ``[E, scale_chunks(K), N, 4]``;
     ``w13``'s rows in blocks of 8 gate then 8 up rows); ``mxfp4_wide_scales``:
     some scale exceeds the fast decoder's 128, so the exact generic one serves.
     """
@@ -1072,8 +1072,7 @@ def fused_moe_with_config(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         EVEN_K=hidden_size % cfg.block_k == 0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg),
     )
     grid2 = (num_m_blocks * triton.cdiv(hidden_size, cfg.block_n),)
     _down_kernel[grid2](
@@ -1106,8 +1105,7 @@ def fused_moe_with_config(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         EVEN_K=inter % cfg.block_k == 0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg),
     )
     return _pair_rows_out(y, num_tokens, top_k, combine)
 
@@ -1129,7 +1127,7 @@ def _check_mxfp4(
     layout: str,
 ) -> None:
     """MXFP4 ``blocks [E, N, K/2]`` uint8 with scales for a dense ``[E, N, K]``: ``[E, N, K/32]``,
-    or in the fragment layout ``[E, N, scale_columns(K)]``."""
+    or in the fragment layout ``[E, scale_chunks(K), N, 4]``."""
     e, n, k = shape
     if layout not in LAYOUTS:
         raise ValueError(f"unknown MXFP4 layout {layout!r}; have {LAYOUTS}")
@@ -1142,8 +1140,8 @@ def _check_mxfp4(
         )
     if scales is None or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError("MXFP4 weights need uint8 blocks and uint8 scales")
-    groups = k // 32 if layout == "checkpoint" else scale_columns(k)
-    if tuple(blocks.shape) != (e, n, k // 2) or tuple(scales.shape) != (e, n, groups):
+    want = (e, n, k // 32) if layout == "checkpoint" else (e, scale_chunks(k), n, 4)
+    if tuple(blocks.shape) != (e, n, k // 2) or tuple(scales.shape) != want:
         raise ValueError(
             f"MXFP4 blocks {list(blocks.shape)} / scales {list(scales.shape)} do not fit "
             f"[{e}, {n}, {k}] weights in the {layout} layout"
@@ -1177,8 +1175,7 @@ def _fragment_gemms(
         BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg),
     )
     channels = cfg.block_n // 2  # gate and up rows of each channel
     _gate_up_fragment_kernel[(num_m_blocks * triton.cdiv(inter, channels),)](

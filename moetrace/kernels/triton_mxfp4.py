@@ -1,6 +1,8 @@
 """Decoding fragment-layout MXFP4 weights inside Triton kernels (``kernels/mxfp4_layout.py``).
 
-``fragment_operand`` turns a tile of 32-bit words into the left operand of
+``fragment_tile`` loads a K step's words and scales of a block of rows: each
+lane's words of a chunk are one 16-byte load and a warp's loads cover whole
+rows.  ``fragment_operand`` turns a tile of 32-bit words into the left operand of
 ``tl.dot``: built from the words by joins, a permute and a reshape that only
 relabel registers, since each word already holds what one lane needs.  Two
 decoders compute the same values:
@@ -122,39 +124,69 @@ def fragment_operand(words, scales, DTYPE: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(
-    w_ptr, s_ptr, out_ptr, k, stride_sn, FAST: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr
+def fragment_tile(
+    w_ptr, s_ptr, rows, k0, k, stride_wn, stride_sc, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr
 ):
-    """One program: ``ROWS`` rows by ``32 G`` values of a fragment matrix, decoded."""
-    row0 = tl.program_id(0) * ROWS
-    step = tl.program_id(1)
-    r = row0 + tl.arange(0, ROWS)
-    g = step * G + tl.arange(0, G)
-    t = tl.arange(0, 4)
-    ok = g[None, :, None] < k // 32
-    words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-    word_off = r[:, None, None] * (k // 8) + g[None, :, None] * 4 + t[None, None, :]
-    words = tl.load(words_ptr + word_off, mask=ok, other=0)
-    scales = tl.load(s_ptr + r[:, None, None] * stride_sn + g[None, :, None], mask=ok, other=127)
+    """Words ``[R, G, 4]`` (int32) and scales ``[R, G, 1]`` (uint8) of ``rows`` for the K step
+    of ``BLOCK_K`` values at ``k0`` (a multiple of 128), in the layout ``fragment_operand`` takes.
+
+    ``rows`` must be in range (no row mask).  ``MASK_K``: the step may reach past
+    ``k``, where a short last chunk stores its words ``n`` apart (``n`` groups)
+    and the scale chunks end.  ``stride_wn``: bytes a weight row; ``stride_sc``:
+    bytes a scale chunk (``[N, 4]``).
+    """
+    G: tl.constexpr = BLOCK_K // 32
+    C: tl.constexpr = G // 4  # chunks a step
+    R: tl.constexpr = rows.shape[0]
+    j = tl.arange(0, 16 * C)  # the step's words in storage order: chunk, lane t, group
+    i = tl.arange(0, 4 * C)  # its scale bytes: chunk, group
+    words_ptr = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + k0 // 8
+    scale_ptr = s_ptr + (k0 // 128 + i // 4)[None, :] * stride_sc + rows[:, None] * 4
+    scale_ptr += (i % 4)[None, :]
+    if MASK_K:
+        left = k // 32 - k0 // 32  # groups from this step on
+        c = j // 16
+        n = tl.minimum(left - 4 * c, 4)  # groups in word j's chunk (<= 0: past the end)
+        gi = j % 4
+        words = tl.load(words_ptr + (16 * c + (j // 4 % 4) * n + gi)[None, :],
+                        mask=(gi < n)[None, :], other=0)  # fmt: skip
+        scales = tl.load(scale_ptr, mask=(i // 4 < (left + 3) // 4)[None, :], other=127)
+    else:
+        words = tl.load(words_ptr + j[None, :])
+        scales = tl.load(scale_ptr)
+    words = tl.permute(tl.reshape(words, (R, C, 4, 4)), (0, 1, 3, 2))  # [R, chunk, group, t]
+    return tl.reshape(words, (R, G, 4)), tl.reshape(scales, (R, G, 1))
+
+
+@triton.jit
+def _decode_kernel(
+    w_ptr, s_ptr, out_ptr, k, stride_wn, stride_sc, FAST: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program: ``ROWS`` rows by one ``BLOCK_K`` step of a fragment matrix, decoded."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    k0 = tl.program_id(1) * BLOCK_K
+    words, scales = fragment_tile(w_ptr, s_ptr, r, k0, k, stride_wn, stride_sc, BLOCK_K, True)
     values = fragment_operand(words, scales, out_ptr.dtype.element_ty, FAST)
-    kk = step * 32 * G + tl.arange(0, 32 * G)
+    kk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + r[:, None] * k + kk[None, :], values, mask=kk[None, :] < k)
 
 
 def decode_fragment(
     blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, *, fast: bool
 ) -> torch.Tensor:
-    """A fragment matrix ``blocks [N, K/2]``, ``scales [N, scale_columns(K)]`` to ``[N, K]``
+    """A fragment matrix ``blocks [N, K/2]``, ``scales [scale_chunks(K), N, 4]`` to ``[N, K]``
     values by the kernels' decoder (for tests: the plain path decodes in torch)."""
     n, k = blocks.shape[0], blocks.shape[1] * 2
     rows = 16
     if n % rows:
         raise ValueError(f"rows ({n}) must be a multiple of {rows}")
     out = torch.empty((n, k), dtype=dtype, device=blocks.device)
-    g = 4
-    grid = (n // rows, triton.cdiv(k, 32 * g))
+    block_k = 128
+    scales = scales.contiguous()
+    grid = (n // rows, triton.cdiv(k, block_k))
     _decode_kernel[grid](
-        blocks.contiguous(), scales.contiguous(), out, k, scales.stride(0),
-        FAST=fast, ROWS=rows, G=g,
+        blocks.contiguous(), scales, out, k, blocks.shape[1], scales.stride(0),
+        FAST=fast, ROWS=rows, BLOCK_K=block_k,
     )  # fmt: skip
     return out

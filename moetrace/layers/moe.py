@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.kernels.mxfp4_layout import LAYOUTS, from_fragment, scale_columns, to_fragment
+from moetrace.kernels.mxfp4_layout import LAYOUTS, from_fragment, scale_chunks, to_fragment
 from moetrace.layers.mxfp4 import FAST_SCALE_MAX, MXFP4_LAYOUT, dequantize_mxfp4
 from moetrace.layers.residual import ExpertRows, SubLayerOutput
 
@@ -242,12 +242,8 @@ class MoEExperts(nn.Module):
             byte = torch.uint8
             self.w13 = _frozen(torch.empty(num_experts, 2 * intermediate, hidden // 2, dtype=byte))
             self.w2 = _frozen(torch.empty(num_experts, hidden, intermediate // 2, dtype=byte))
-            self.w13_scale = _frozen(
-                torch.empty(num_experts, 2 * intermediate, self._scale_columns(hidden), dtype=byte)
-            )
-            self.w2_scale = _frozen(
-                torch.empty(num_experts, hidden, self._scale_columns(intermediate), dtype=byte)
-            )
+            self.w13_scale = _frozen(self._scale_tensor(num_experts, 2 * intermediate, hidden))
+            self.w2_scale = _frozen(self._scale_tensor(num_experts, hidden, intermediate))
         else:
             self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
             self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
@@ -408,8 +404,12 @@ class MoEExperts(nn.Module):
             start += count
         return out
 
-    def _scale_columns(self, k: int) -> int:
-        return scale_columns(k) if self.mxfp4_layout == "fragment" else k // 32
+    def _scale_tensor(self, experts: int, rows: int, k: int) -> torch.Tensor:
+        """Scales of ``[experts, rows, k]`` MXFP4 weights: ``[E, rows, k/32]`` as checkpoints
+        store them, or ``[E, chunks, rows, 4]`` in the fragment layout."""
+        if self.mxfp4_layout == "fragment":
+            return torch.empty(experts, scale_chunks(k), rows, 4, dtype=torch.uint8)
+        return torch.empty(experts, rows, k // 32, dtype=torch.uint8)
 
     def load_mxfp4(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         """Store checkpoint MXFP4 ``blocks [E, N, K/2]`` and ``scales [E, N, K/32]`` as
