@@ -68,14 +68,21 @@ SHAPES = {
 
 def fragment_grid(decode: bool) -> list[tm.MoEConfig]:
     """Fragment-layout MXFP4: token blocks 16-64 (the MMA's N), 128 or 256 weight rows over
-    4 or 8 warps, K steps of 128 or 256; prefill: token blocks of 64 and 128."""
+    4 or 8 warps, K steps of 128 or 256, 2-4 stages, register caps; prefill: token blocks of
+    64 and 128."""
     if decode:
         shapes = [(bm, bn, w) for bm in (32, 64) for bn, w in ((128, 4), (128, 8), (256, 8))]
         shapes += [(16, 128, 4)]
-        return [
+        tiles = [
             tm.MoEConfig(bm, bn, bk, 8, w, st, mxfp4_native=False)
-            for (bm, bn, w), bk, st in itertools.product(shapes, (128, 256), (3, 4))
+            for (bm, bn, w), bk, st in itertools.product(shapes, (128, 256), (2, 3, 4))
             if not (bk == 256 and bn == 256)  # past the registers
+        ]
+        # Register caps on the 4-warp tiles: 96 lets 5 programs share a multiprocessor, 80 six
+        # (a few spills to local memory, cached in L1).
+        return tiles + [
+            tm.MoEConfig(bm, 128, 128, 8, 4, st, mxfp4_native=False, maxnreg=reg)
+            for bm, st, reg in itertools.product((16, 32), (2, 3), (96, 80))
         ]
     return [
         tm.MoEConfig(bm, bn, 128, 8, w, 3, mxfp4_native=False)
