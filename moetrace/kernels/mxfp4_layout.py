@@ -94,6 +94,11 @@ def scale_chunks(k: int) -> int:
     return -(-k // (GROUP * CHUNK))
 
 
+def scale_shape(rows: int, k: int) -> tuple[int, int, int]:
+    """The fragment scales of a ``[rows, k]`` matrix: ``(scale_chunks(k), rows, 4)``."""
+    return scale_chunks(k), rows, CHUNK
+
+
 def word_order(groups: int, device: torch.device | None = None) -> torch.Tensor:
     """Stored word ``i`` of a row of ``groups`` groups is group-major word ``word_order(...)[i]``
     (word ``t`` of group ``g`` is group-major word ``4 g + t``)."""
@@ -107,7 +112,7 @@ def word_order(groups: int, device: torch.device | None = None) -> torch.Tensor:
 def chunk_scales(scales: torch.Tensor) -> torch.Tensor:
     """Scales ``[..., N, G]`` to ``[..., scale_chunks(32 G), N, 4]``, padded with ``SCALE_PAD``."""
     groups = scales.shape[-1]
-    chunks = -(-groups // CHUNK)
+    chunks = scale_chunks(GROUP * groups)
     padded = scales.new_full((*scales.shape[:-1], chunks * CHUNK), SCALE_PAD)
     padded[..., :groups] = scales
     return padded.unflatten(-1, (chunks, CHUNK)).movedim(-2, -3).contiguous()

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moetrace.kernels.mxfp4_layout import LAYOUTS, scale_chunks
+from moetrace.kernels.mxfp4_layout import LAYOUTS, scale_shape
 from moetrace.kernels.triton_mxfp4 import fragment_operand, fragment_tile
 from moetrace.kernels.triton_rounding import round_to
 
@@ -1140,7 +1140,7 @@ def _check_mxfp4(
         )
     if scales is None or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError("MXFP4 weights need uint8 blocks and uint8 scales")
-    want = (e, n, k // 32) if layout == "checkpoint" else (e, scale_chunks(k), n, 4)
+    want = (e, n, k // 32) if layout == "checkpoint" else (e, *scale_shape(n, k))
     if tuple(blocks.shape) != (e, n, k // 2) or tuple(scales.shape) != want:
         raise ValueError(
             f"MXFP4 blocks {list(blocks.shape)} / scales {list(scales.shape)} do not fit "

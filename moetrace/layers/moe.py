@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.kernels.mxfp4_layout import LAYOUTS, from_fragment, scale_chunks, to_fragment
+from moetrace.kernels.mxfp4_layout import LAYOUTS, from_fragment, scale_shape, to_fragment
 from moetrace.layers.mxfp4 import FAST_SCALE_MAX, MXFP4_LAYOUT, dequantize_mxfp4
 from moetrace.layers.residual import ExpertRows, SubLayerOutput
 
@@ -408,7 +408,7 @@ class MoEExperts(nn.Module):
         """Scales of ``[experts, rows, k]`` MXFP4 weights: ``[E, rows, k/32]`` as checkpoints
         store them, or ``[E, chunks, rows, 4]`` in the fragment layout."""
         if self.mxfp4_layout == "fragment":
-            return torch.empty(experts, scale_chunks(k), rows, 4, dtype=torch.uint8)
+            return torch.empty(experts, *scale_shape(rows, k), dtype=torch.uint8)
         return torch.empty(experts, rows, k // 32, dtype=torch.uint8)
 
     def load_mxfp4(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
