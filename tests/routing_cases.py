@@ -2,8 +2,9 @@
 
 Shared by the CPU (``TRITON_INTERPRET=1``) and the CUDA tests of
 ``kernels/triton_routing.py``.  The references are torch's own ops: the
-families' selection functions in ``layers/moe.py`` (the current path) and a
-stable sort (the tie rule, lower index first).
+families' selection functions in ``layers/moe.py`` (the current path), and
+``cuda_topk_order``, a model of the order ``torch.topk`` gives equal values
+on CUDA (its CPU order differs), itself checked against CUDA's ``topk``.
 """
 
 from __future__ import annotations
@@ -76,8 +77,56 @@ def unambiguous_rows(scores: torch.Tensor, logits: torch.Tensor, top_k: int) -> 
 
 
 def tie_rule_ids(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k by logit, the lower index first among equal logits (a stable sort)."""
-    return torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    """Top-k by logit in the order ``torch.topk`` gives on CUDA (``cuda_topk_order``)."""
+    return cuda_topk_order(logits, top_k)
+
+
+SORT_SLOTS = 32  # torch's small bitonic sort of a top-k's k values (k <= 32)
+
+
+def cuda_topk_order(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ids ``torch.topk(scores, top_k)`` returns on CUDA (k <= 32, no NaNs), modelled.
+
+    Its selection writes the values above the k-th largest in index order, then
+    as many equal to it as fit, in index order; its sort of those k values is a
+    bitonic network over 32 slots (unstable: the slots that equal values start
+    from decide their order).  The network, slot by slot: a compare-exchange of
+    slots ``p`` and ``p + stride`` (``p``'s ``stride`` bit clear) swaps when
+    ``(key[p] > key[p + stride] and p valid) or p + stride invalid`` equals the
+    stage's direction, ``p & size`` for the merges of ``size < 32`` and false
+    for the last.  ``tests/test_gpu_routing.py`` checks this model against
+    CUDA's ``torch.topk``; ``kernels/triton_routing.py`` computes it.
+    """
+    scores = scores.float().cpu()
+    rows = scores.shape[0]
+    kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]  # the k-th largest value
+    index = torch.arange(scores.shape[1]).expand(rows, -1)
+    above = torch.where(scores > kth, index, scores.shape[1]).sort(dim=-1).values
+    equal = torch.where(scores == kth, index, scores.shape[1]).sort(dim=-1).values
+    keys = torch.zeros(rows, SORT_SLOTS)
+    ids = torch.full((rows, SORT_SLOTS), -1, dtype=torch.long)  # -1: an invalid slot
+    for r in range(rows):
+        picked = [i for i in above[r].tolist() if i < scores.shape[1]]
+        picked += [i for i in equal[r].tolist() if i < scores.shape[1]][: top_k - len(picked)]
+        ids[r, :top_k] = torch.tensor(picked)
+        keys[r, :top_k] = scores[r, picked]
+    slot = torch.arange(SORT_SLOTS)
+    stages = [(size, stride) for size in (2, 4, 8, 16) for stride in _halvings(size // 2)]
+    stages += [(0, stride) for stride in _halvings(SORT_SLOTS // 2)]  # size 0: direction false
+    for size, stride in stages:
+        a = slot[(slot & stride) == 0]
+        b = a + stride
+        direction = (a & size) != 0
+        ka, kb, va, vb = keys[:, a], keys[:, b], ids[:, a], ids[:, b]
+        swap = ((ka > kb) & (va >= 0)) | (vb < 0)
+        exchange = swap == direction
+        keys[:, a], keys[:, b] = torch.where(exchange, kb, ka), torch.where(exchange, ka, kb)
+        ids[:, a], ids[:, b] = torch.where(exchange, vb, va), torch.where(exchange, va, vb)
+    return ids[:, :top_k]
+
+
+def _halvings(start: int) -> list[int]:
+    return [start >> i for i in range(start.bit_length())]
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -97,11 +146,15 @@ def check_route(variant: str, logits: torch.Tensor, top_k: int, route, max_ulps:
     )
     ids = ids.long()
     scores, _, ref_ids = reference(variant, ref_logits, top_k)
-    # Every row: the documented rule (largest logit, lower index among equals).
-    assert torch.equal(ids, tie_rule_ids(ref_logits, top_k))
-    # Rows where the current path is unambiguous: exactly its ids, in its order.
+    # Every row: the documented rule (the lower indices among equal logits at the k-th
+    # place, in the order CUDA's torch.topk leaves equal values).
+    assert torch.equal(ids.cpu(), tie_rule_ids(ref_logits, top_k))
+    # Rows where the current path is unambiguous: exactly its ids, in its order; on CUDA,
+    # where ``torch.topk``'s order among equal values is the one modelled, every row.
     clear = unambiguous_rows(scores, ref_logits, top_k)
     assert torch.equal(ids[clear], ref_ids[clear])
+    if logits.is_cuda:
+        assert torch.equal(ids, ref_ids)
     # Weights: the family's rule for these ids, to max_ulps in float32, then the same cast.
     want = reference_weights(variant, ref_logits, ids)
     got32 = route(

@@ -4,15 +4,16 @@ The CPU test (``test_triton_routing.py``) runs the kernels in the interpreter,
 whose ``exp`` is numpy's; here the kernel's libdevice ``exp`` and its
 torch-ordered softmax sum meet torch's own CUDA softmax, so the weights are
 held to 1 unit in the last place (2 after renormalisation, whose k-term sum
-order is torch's reduction's).  Ids: exactly torch's wherever its scores are
-untied, the documented tie rule everywhere.
+order is torch's reduction's).  Ids: exactly CUDA ``torch.topk``'s on every
+row, tied values included, and the model of its tie order
+(``routing_cases.cuda_topk_order``) is checked against it first.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from routing_cases import VARIANTS, check_route, tricky_logits, unambiguous_rows
+from routing_cases import VARIANTS, check_route, cuda_topk_order, tricky_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,6 +22,21 @@ pytestmark = [
 
 # OLMoE, Qwen3/Qwen2-57B, Mixtral, DeepSeek-V2-Lite, Qwen1.5-MoE, GraniteMoE-style shapes.
 SHAPES = [(64, 8), (128, 8), (8, 2), (64, 6), (60, 4), (40, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_experts", "top_k"), [*SHAPES, (32, 4), (128, 32), (16, 16)])
+def test_the_tie_order_model_is_cudas_topk(num_experts, top_k, dtype):
+    """``cuda_topk_order`` (what the kernel computes) against CUDA's ``torch.topk`` on
+    probabilities and raw logits with ties everywhere: few distinct values, and the
+    planted ties of ``tricky_logits``."""
+    gen = torch.Generator().manual_seed(num_experts * 100 + top_k)
+    few = torch.randint(0, 5, (1000, num_experts), generator=gen).float()
+    for logits in (few, tricky_logits(256, num_experts, top_k, bf16=True)):
+        logits = logits.cuda().to(dtype)
+        for scores in (torch.softmax(logits.float(), -1), logits):
+            want = torch.topk(scores, top_k, dim=-1).indices.cpu()
+            assert torch.equal(cuda_topk_order(scores, top_k), want)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -57,7 +73,7 @@ def test_fused_routing_replays_in_a_cuda_graph():
 @pytest.mark.parametrize("num_tokens", [7, 256])
 def test_moe_block_fused_routing_equals_the_torch_path(num_tokens, monkeypatch):
     """A bf16 softmax-top-k block, eager, kernels on: the fused path's captured ids and
-    weights and its output against the same block with fused routing turned off."""
+    weights and its output equal the same block's with fused routing turned off."""
     from engine_helpers import tiny_model
 
     from moetrace.capture.capturer import RoutingCapturer, capture_dtype
@@ -86,14 +102,8 @@ def test_moe_block_fused_routing_equals_the_torch_path(num_tokens, monkeypatch):
 
     ids_t, w_t, out_t = run(0)
     ids_f, w_f, out_f = run(1024)
-    for layer, block in enumerate(blocks):
-        # bf16 logits tie often; torch's CUDA order among equals is its own: compare clear rows.
-        logits = torch.nn.functional.linear(x, block.gate).float()
-        clear = unambiguous_rows(torch.softmax(logits, -1), logits, model.top_k)
-        assert clear.sum() > num_tokens // 2
-        assert torch.equal(ids_f[:num_tokens, layer][clear], ids_t[:num_tokens, layer][clear])
-        assert torch.equal(w_f[:num_tokens, layer][clear], w_t[:num_tokens, layer][clear])
-        if clear.all():
-            assert torch.equal(out_f[layer], out_t[layer])
-        else:
-            torch.testing.assert_close(out_f[layer][clear], out_t[layer][clear])
+    for layer in range(len(blocks)):
+        # bf16 logits tie often: the fused kernel orders ties as CUDA's torch.topk does.
+        assert torch.equal(ids_f[:num_tokens, layer], ids_t[:num_tokens, layer])
+        assert torch.equal(w_f[:num_tokens, layer], w_t[:num_tokens, layer])
+        assert torch.equal(out_f[layer], out_t[layer])

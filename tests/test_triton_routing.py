@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from routing_cases import VARIANTS, check_route, tricky_logits  # noqa: E402
+from routing_cases import VARIANTS, check_route, cuda_topk_order, tricky_logits  # noqa: E402
 from triton_helpers import DEVICE, KERNEL_TEST_MARKS  # noqa: E402
 
 from moetrace.kernels.triton_moe import align_routing_torch  # noqa: E402
@@ -58,16 +58,22 @@ def test_bf16_logits_are_read_as_their_float32_values():
         assert torch.equal(x, y)
 
 
-def test_ties_take_the_lower_index_first():
+def test_ties_keep_the_lower_indices_in_torchs_cuda_order():
+    """Among equal values at the k-th place the lower indices are kept, as ``torch.topk``
+    keeps them on CUDA, and the k come out in the order its bitonic sort leaves them
+    (``cuda_topk_order``, checked against CUDA's ``topk`` in ``test_gpu_routing.py``)."""
     logits = torch.zeros(3, 64)
     logits[1, [50, 3, 17, 40]] = 1.0  # four equal leaders, then 60 equal zeros
     logits[2] = torch.arange(64).float() % 4  # sixteen experts each at 3, 2, 1, 0
     _, ids, _ = route(logits.to(DEVICE), 6, "softmax_topk")
-    assert ids.cpu().tolist() == [
+    got = ids.cpu().long()
+    assert torch.equal(got, cuda_topk_order(logits, 6))
+    assert [sorted(r) for r in got.tolist()] == [
         [0, 1, 2, 3, 4, 5],
-        [3, 17, 40, 50, 0, 1],
+        [0, 1, 3, 17, 40, 50],
         [3, 7, 11, 15, 19, 23],
     ]
+    assert got[0].tolist() != sorted(got[0].tolist())  # an unstable sort: not index order
 
 
 def test_softmax_sum_follows_torchs_cuda_order():

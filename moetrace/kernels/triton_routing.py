@@ -10,12 +10,17 @@ scoring, the top-k, the weights, their casts and the capture writes, and
 ``_align_small_kernel`` (one program) groups the pairs by expert for the
 fused-MoE GEMMs: two launches.
 
-Ids are chosen on the router *logits*, largest first, the lower index first
-on equal logits.  Softmax is monotone, so this is ``topk(softmax(logits))``
-wherever the reference's float32 probabilities are not tied; where two
-distinct logits round to one probability the reference breaks the tie by
-index and this by logit (the reference's own result is then an artefact of
-rounding).  Weights follow the family's float32 rule with libdevice's
+Ids are chosen on the router *logits* and come out in the order CUDA's
+``torch.topk`` gives them, ties included: among equal values at the k-th
+place the lower indices are kept, and the k are put in the order torch's
+small bitonic sort leaves them (unstable: equal values keep no index order),
+by running that network (``_torch_cuda_order``).  bf16 router logits tie
+often, so anything less would record other ids than the torch path on CUDA.
+Softmax is monotone, so this is ``topk(softmax(logits))`` wherever distinct
+logits keep distinct float32 probabilities; where two underflow to one
+probability the reference breaks the tie by index and this by logit (the
+reference's own result is then an artefact of rounding), and on raw logits
+(``topk_softmax``) torch's selection ranks -0 below +0, which this ties.  Weights follow the family's float32 rule with libdevice's
 ``exp`` (the CUDA math library's ``expf``, which torch's softmax calls) and
 an IEEE division; only the order of the softmax's sum differs from torch's,
 so weights agree to a few units in the last place (``tests/test_triton_routing.py``).
@@ -102,6 +107,78 @@ def _warp_order_sum(e, ROWS: tl.constexpr, N: tl.constexpr, WARP: tl.constexpr):
     return tl.reshape(lanes, (ROWS,))
 
 
+SORT_SLOTS: tl.constexpr = tl.constexpr(32)  # torch's small bitonic sort: k <= 32 values
+
+
+@triton.jit
+def _bitonic_stage(packed, ROWS: tl.constexpr, SIZE: tl.constexpr, STRIDE: tl.constexpr):
+    """One compare-exchange stage of torch's small bitonic sort on ``packed [ROWS, 32]``
+    (key in the high 32 bits, id + 1 in the low; 0 marks an invalid slot).
+
+    Slot ``p`` (its ``STRIDE`` bit clear) and ``p + STRIDE`` swap when ``(key[p] >
+    key[p + STRIDE] and p valid) or p + STRIDE invalid`` equals the direction,
+    ``p & SIZE`` (``SIZE = 0``: the last merge, false).
+    """
+    NB: tl.constexpr = SORT_SLOTS // (2 * STRIDE)
+    pairs = tl.permute(tl.reshape(packed, (ROWS, NB, 2, STRIDE)), (0, 1, 3, 2))
+    a, b = tl.split(pairs)  # [ROWS, NB, STRIDE]: slots p and p + STRIDE
+    first = tl.arange(0, NB)[None, :, None] * (2 * STRIDE)
+    direction = (first & SIZE) != 0
+    valid_a = (a & 0xFFFFFFFF) != 0
+    valid_b = (b & 0xFFFFFFFF) != 0
+    swap = (((a >> 32) > (b >> 32)) & valid_a) | (~valid_b)
+    exchange = swap == direction
+    top = tl.where(exchange, b, a)
+    bottom = tl.where(exchange, a, b)
+    pairs = tl.permute(tl.join(top, bottom), (0, 1, 3, 2))
+    return tl.reshape(pairs, (ROWS, SORT_SLOTS))
+
+
+@triton.jit
+def _torch_cuda_order(ids, values, ROWS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr):
+    """Picks ``[ROWS, K_P2]`` (largest first, the lower index first among equal values)
+    to the order ``torch.topk`` returns them in on CUDA.
+
+    torch's selection writes the values above the k-th largest in index order,
+    then the equal ones in index order; its sort of those k is a bitonic
+    network over 32 slots, unstable, so where equal values end up depends on
+    where they start.  Both are done here as torch does them
+    (``tests/routing_cases.py`` has the model, checked against CUDA's ``topk``).
+    """
+    slots = tl.arange(0, K_P2)
+    in_k = (slots < TOP_K)[None, :]
+    kth = tl.min(tl.where(in_k, values, float("inf")), axis=1)[:, None]
+    above = values > kth
+    n_above = tl.sum((above & in_k).to(tl.int32), axis=1)[:, None]
+    before = (
+        (above[:, :, None] == above[:, None, :])
+        & (ids[:, None, :] < ids[:, :, None])
+        & in_k[:, None, :]
+    )
+    start = tl.sum(before.to(tl.int32), axis=2) + tl.where(above, 0, n_above)
+    start = tl.where(in_k, start, SORT_SLOTS)  # picks past k take no slot
+    # The key's float order as integers (-0 as +0: the sort compares floats), id + 1 below.
+    key = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
+    key = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    packed = (key.to(tl.int64) << 32) | (ids + 1).to(tl.int64)
+    net = tl.arange(0, SORT_SLOTS)
+    placed = start[:, None, :] == net[None, :, None]  # [ROWS, slot, pick]
+    network = tl.sum(tl.where(placed, packed[:, None, :], 0), axis=2)
+    for s in tl.static_range(1, 5):  # merges of size 2, 4, 8, 16, then the last of 32
+        for t in tl.static_range(s):
+            network = _bitonic_stage(network, ROWS, 1 << s, 1 << (s - 1 - t))
+    for t in tl.static_range(5):
+        network = _bitonic_stage(network, ROWS, 0, 16 >> t)
+    first = tl.reshape(network, (ROWS, SORT_SLOTS // K_P2, K_P2))
+    group = tl.arange(0, SORT_SLOTS // K_P2)[None, :, None]
+    first = tl.sum(tl.where(group == 0, first, 0), axis=1)  # slots 0 .. K_P2 - 1
+    new_ids = (first & 0xFFFFFFFF).to(tl.int32) - 1
+    # Each slot's value, looked up by its id among the picks (the key bits lose -0).
+    same = new_ids[:, :, None] == ids[:, None, :]
+    new_values = tl.max(tl.where(same, values[:, None, :], float("-inf")), axis=2)
+    return tl.where(in_k, new_ids, ids), tl.where(in_k, new_values, values)
+
+
 @triton.jit(
     do_not_specialize=["num_tokens", "stride_logits", "stride_capture", "stride_capture_weights"]
 )
@@ -160,6 +237,8 @@ def _route_kernel(
         free = free & (cols[None, :] != pick[:, None])
         ids = tl.where(slots[None, :] == j, pick[:, None], ids)
         values = tl.where(slots[None, :] == j, best[:, None], values)
+    if TOP_K > 1:
+        ids, values = _torch_cuda_order(ids, values, ROWS, TOP_K, K_P2)
 
     in_k = (slots < TOP_K)[None, :]
     if SCORING == 0:
@@ -282,8 +361,10 @@ def route(
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; have {sorted(SCORINGS)}")
     num_tokens, num_experts = logits.shape
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k {top_k} does not fit {num_experts} experts")
+    if not 1 <= top_k <= min(num_experts, SORT_SLOTS):
+        raise ValueError(
+            f"top_k {top_k} does not fit {num_experts} experts (at most {SORT_SLOTS.value})"
+        )
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     shape = (num_tokens, top_k)

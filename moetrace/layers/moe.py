@@ -130,12 +130,12 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # Steps of up to this many tokens route through the fused Triton kernels where a
 # layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``);
 # larger ones (prefill) through the torch ops.  Decided by the step's size, so a
-# captured graph always holds one path.  Off by default: on the H200 its ids and
-# weights match torch's CUDA ops wherever the choice is unambiguous
-# (``tests/test_gpu_routing.py``), but on tied bf16 router logits it takes the lower
-# index where ``torch.topk`` may not, so the bf16 teacher-forced check against
-# transformers' router (``tests/test_gpu_engine.py``) fails with it on; and it saved
-# only 0.1 ms of a 12 ms DeepSeek-V2-Lite step (docs/benchmarks.md).
+# captured graph always holds one path.  Its ids are CUDA ``torch.topk``'s on every
+# row, ties included, and its weights torch's to 1-2 units in the last place
+# (``tests/test_gpu_routing.py``; ``tests/test_gpu_engine.py`` passes with it on).
+# Off by default because it does not pay: on the H200 it saved 10 us a layer of
+# OLMoE's routing but not a measurable part of its decode step, and costs Qwen3's
+# 128-expert routing 18 us a layer (docs/benchmarks.md).
 # ``MOETRACE_FUSED_ROUTING=1`` turns it on.
 FUSED_ROUTING_MAX_TOKENS = 1024 if os.environ.get("MOETRACE_FUSED_ROUTING") == "1" else 0
 
