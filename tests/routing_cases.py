@@ -9,6 +9,7 @@ on CUDA (its CPU order differs), itself checked against CUDA's ``topk``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moetrace.layers.moe import softmax_topk, softmax_weights, topk_softmax, topk_softmax_weights
@@ -76,9 +77,28 @@ def unambiguous_rows(scores: torch.Tensor, logits: torch.Tensor, top_k: int) -> 
     return (best[:, 1:] != best[:, :-1]).all(dim=1)
 
 
-def tie_rule_ids(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k by logit in the order ``torch.topk`` gives on CUDA (``cuda_topk_order``)."""
-    return cuda_topk_order(logits, top_k)
+def tie_rule_ids(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k of ``scores`` in the order ``torch.topk`` gives on CUDA (``cuda_topk_order``)."""
+    return cuda_topk_order(scores, top_k)
+
+
+def numpy_warp_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 softmax with numpy's ``exp``, summed in the order of torch's CUDA warp
+    softmax (lane ``l`` adds ``l, l + W, ...``, then the lanes halve by XOR): what the
+    routing kernel computes in the interpreter, bit for bit."""
+    x = logits.float().cpu().numpy()
+    rows, experts = x.shape
+    width = 1 << max(experts - 1, 0).bit_length()  # the next power of two
+    e = np.zeros((rows, width), np.float32)
+    e[:, :experts] = np.exp(x - x.max(axis=1, keepdims=True)).astype(np.float32)
+    warp = min(width, 32)
+    lanes = np.zeros((rows, warp), np.float32)
+    for it in range(width // warp):
+        lanes = lanes + e[:, it * warp : (it + 1) * warp]
+    while lanes.shape[1] > 1:
+        half = lanes.shape[1] // 2
+        lanes = lanes[:, :half] + lanes[:, half:]
+    return torch.from_numpy(e[:, :experts] / lanes)
 
 
 SORT_SLOTS = 32  # torch's small bitonic sort of a top-k's k values (k <= 32)
@@ -146,15 +166,20 @@ def check_route(variant: str, logits: torch.Tensor, top_k: int, route, max_ulps:
     )
     ids = ids.long()
     scores, _, ref_ids = reference(variant, ref_logits, top_k)
-    # Every row: the documented rule (the lower indices among equal logits at the k-th
-    # place, in the order CUDA's torch.topk leaves equal values).
-    assert torch.equal(ids.cpu(), tie_rule_ids(ref_logits, top_k))
-    # Rows where the current path is unambiguous: exactly its ids, in its order; on CUDA,
-    # where ``torch.topk``'s order among equal values is the one modelled, every row.
-    clear = unambiguous_rows(scores, ref_logits, top_k)
-    assert torch.equal(ids[clear], ref_ids[clear])
+    # Every row: the documented rule on what the path ranks (the lower indices among equal
+    # values at the k-th place, in the order CUDA's torch.topk leaves equal values).  On
+    # CUDA those are torch's probabilities and its ids; the interpreter's exp is numpy's.
+    ranked = scores
+    if not logits.is_cuda and scoring == "softmax_topk":
+        ranked = numpy_warp_softmax(ref_logits)
+    assert torch.equal(ids.cpu(), tie_rule_ids(ranked, top_k))
     if logits.is_cuda:
         assert torch.equal(ids, ref_ids)
+    # Rows where the current path is unambiguous (and so is the interpreter's ranking):
+    # exactly its ids, in its order.
+    clear = unambiguous_rows(scores, ref_logits, top_k)
+    clear &= unambiguous_rows(ranked, ref_logits, top_k).to(clear.device)
+    assert torch.equal(ids[clear], ref_ids[clear])
     # Weights: the family's rule for these ids, to max_ulps in float32, then the same cast.
     want = reference_weights(variant, ref_logits, ids)
     got32 = route(

@@ -10,17 +10,15 @@ scoring, the top-k, the weights, their casts and the capture writes, and
 ``_align_small_kernel`` (one program) groups the pairs by expert for the
 fused-MoE GEMMs: two launches.
 
-Ids are chosen on the router *logits* and come out in the order CUDA's
-``torch.topk`` gives them, ties included: among equal values at the k-th
-place the lower indices are kept, and the k are put in the order torch's
-small bitonic sort leaves them (unstable: equal values keep no index order),
-by running that network (``_torch_cuda_order``).  bf16 router logits tie
-often, so anything less would record other ids than the torch path on CUDA.
-Softmax is monotone, so this is ``topk(softmax(logits))`` wherever distinct
-logits keep distinct float32 probabilities; where two underflow to one
-probability the reference breaks the tie by index and this by logit (the
-reference's own result is then an artefact of rounding), and on raw logits
-(``topk_softmax``) torch's selection ranks -0 below +0, which this ties.  Weights follow the family's float32 rule with libdevice's
+Ids are chosen on what the torch path ranks (the float32 probabilities for
+``softmax_topk``, which distinct logits can share; the logits for
+``topk_softmax``) and come out in the order CUDA's ``torch.topk`` gives
+them, ties included: among equal values at the k-th place the lower indices
+are kept, and the k are put in the order torch's small bitonic sort leaves
+them (unstable: equal values keep no index order), by running that network
+(``_torch_cuda_order``).  bf16 router logits tie often, so anything less
+would record other ids than the torch path on CUDA.  One difference is left:
+on raw logits torch's selection ranks -0 below +0, which this ties.  Weights follow the family's float32 rule with libdevice's
 ``exp`` (the CUDA math library's ``expf``, which torch's softmax calls) and
 an IEEE division; only the order of the softmax's sum differs from torch's,
 so weights agree to a few units in the last place (``tests/test_triton_routing.py``).
@@ -221,16 +219,25 @@ def _route_kernel(
         other=float("-inf"),
     )
     x = x.to(tl.float32)
+    if SCORING == 0:
+        # torch ranks the float32 probabilities: distinct logits can share one (a
+        # near-tie's exponentials round alike), so the picks are made on them.
+        top = tl.max(x, axis=1)
+        e = tl.where(col_ok[None, :], _exp(x - top[:, None], LIBDEVICE), 0.0)
+        total = _warp_order_sum(e, ROWS, EXPERTS_P2, WARP)
+        keys = tl.where(col_ok[None, :], tl.math.div_rn(e, total[:, None]), float("-inf"))
+    else:
+        keys = x
 
-    # Top-k by repeated arg-max: the largest logit, the lowest index among equals.
+    # Top-k by repeated arg-max: the largest key, the lowest index among equals.
     # ``taken`` (not -inf) marks picks, so -inf or NaN logits still give k distinct ids.
     slots = tl.arange(0, K_P2)
     ids = tl.zeros([ROWS, K_P2], dtype=tl.int32)
     values = tl.full([ROWS, K_P2], float("-inf"), dtype=tl.float32)
     free = (cols < num_experts)[None, :] & (rows >= 0)[:, None]
     for j in tl.static_range(TOP_K):
-        best = tl.max(tl.where(free, x, float("-inf")), axis=1)
-        hit = free & (x == best[:, None])
+        best = tl.max(tl.where(free, keys, float("-inf")), axis=1)
+        hit = free & (keys == best[:, None])
         pick = tl.min(tl.where(hit, cols[None, :], EXPERTS_P2), axis=1)
         first_free = tl.min(tl.where(free, cols[None, :], EXPERTS_P2), axis=1)
         pick = tl.where(pick < EXPERTS_P2, pick, first_free)
@@ -242,11 +249,7 @@ def _route_kernel(
 
     in_k = (slots < TOP_K)[None, :]
     if SCORING == 0:
-        # Softmax over every expert, then the picks' shares.
-        top = tl.max(x, axis=1)
-        e = tl.where(col_ok[None, :], _exp(x - top[:, None], LIBDEVICE), 0.0)
-        total = _warp_order_sum(e, ROWS, EXPERTS_P2, WARP)
-        w = tl.math.div_rn(_exp(values - top[:, None], LIBDEVICE), total[:, None])
+        w = values  # the picks' shares of the softmax over every expert
     else:
         # Softmax over the k picked logits (values[:, 0] is their largest).
         e = tl.where(in_k, _exp(values - tl.max(values, axis=1)[:, None], LIBDEVICE), 0.0)

@@ -130,9 +130,9 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # Steps of up to this many tokens route through the fused Triton kernels where a
 # layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``);
 # larger ones (prefill) through the torch ops.  Decided by the step's size, so a
-# captured graph always holds one path.  Its ids are CUDA ``torch.topk``'s on every
-# row, ties included, and its weights torch's to 1-2 units in the last place
-# (``tests/test_gpu_routing.py``; ``tests/test_gpu_engine.py`` passes with it on).
+# captured graph always holds one path.  It orders tied values as CUDA's
+# ``torch.topk`` does and its weights are torch's to 1-2 units in the last place
+# (``tests/test_gpu_routing.py``; ``tests/test_gpu_engine.py`` passed with it on).
 # Off by default because it does not pay: on the H200 it saved 10 us a layer of
 # OLMoE's routing but not a measurable part of its decode step, and costs Qwen3's
 # 128-expert routing 18 us a layer (docs/benchmarks.md).
