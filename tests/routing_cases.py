@@ -77,11 +77,6 @@ def unambiguous_rows(scores: torch.Tensor, logits: torch.Tensor, top_k: int) -> 
     return (best[:, 1:] != best[:, :-1]).all(dim=1)
 
 
-def tie_rule_ids(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Top-k of ``scores`` in the order ``torch.topk`` gives on CUDA (``cuda_topk_order``)."""
-    return cuda_topk_order(scores, top_k)
-
-
 def numpy_warp_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Float32 softmax with numpy's ``exp``, summed in the order of torch's CUDA warp
     softmax (lane ``l`` adds ``l, l + W, ...``, then the lanes halve by XOR): what the
@@ -172,7 +167,7 @@ def check_route(variant: str, logits: torch.Tensor, top_k: int, route, max_ulps:
     ranked = scores
     if not logits.is_cuda and scoring == "softmax_topk":
         ranked = numpy_warp_softmax(ref_logits)
-    assert torch.equal(ids.cpu(), tie_rule_ids(ranked, top_k))
+    assert torch.equal(ids.cpu(), cuda_topk_order(ranked, top_k))
     if logits.is_cuda:
         assert torch.equal(ids, ref_ids)
     # Rows where the current path is unambiguous (and so is the interpreter's ranking):

@@ -18,9 +18,9 @@ are kept, and the k are put in the order torch's small bitonic sort leaves
 them (unstable: equal values keep no index order), by running that network
 (``_torch_cuda_order``).  bf16 router logits tie often, so anything less
 would record other ids than the torch path on CUDA.  One difference is left:
-on raw logits torch's selection ranks -0 below +0, which this ties.  Weights follow the family's float32 rule with libdevice's
-``exp`` (the CUDA math library's ``expf``, which torch's softmax calls) and
-an IEEE division; only the order of the softmax's sum differs from torch's,
+on raw logits torch's selection ranks -0 below +0, which this ties.  Weights
+follow the family's float32 rule with libdevice's ``exp`` (the CUDA math
+library's ``expf``, which torch's softmax calls) and an IEEE division; only the order of the softmax's sum differs from torch's,
 so weights agree to a few units in the last place (``tests/test_triton_routing.py``).
 """
 
@@ -171,9 +171,10 @@ def _torch_cuda_order(ids, values, ROWS: tl.constexpr, TOP_K: tl.constexpr, K_P2
     group = tl.arange(0, SORT_SLOTS // K_P2)[None, :, None]
     first = tl.sum(tl.where(group == 0, first, 0), axis=1)  # slots 0 .. K_P2 - 1
     new_ids = (first & 0xFFFFFFFF).to(tl.int32) - 1
-    # Each slot's value, looked up by its id among the picks (the key bits lose -0).
-    same = new_ids[:, :, None] == ids[:, None, :]
-    new_values = tl.max(tl.where(same, values[:, None, :], float("-inf")), axis=2)
+    # Each slot's value from its key bits (a -0 comes back +0: every weight rule
+    # subtracts a maximum from it first, where the two give the same difference).
+    key = (first >> 32).to(tl.int32)
+    new_values = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
     return tl.where(in_k, new_ids, ids), tl.where(in_k, new_values, values)
 
 
