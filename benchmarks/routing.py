@@ -1,26 +1,31 @@
 """The MoE routing path, router logits to the fused-MoE GEMMs' inputs: torch ops vs fused kernels.
 
-Old: the logits' cast, softmax, ``topk`` (+ renormalisation, scaling), the
-weights' cast, the two alignment kernels (capture written by the scatter)
-and the weights' cast to float32, as a decode step ran them before
-``kernels/triton_routing.py``.  New: ``route_and_align``, with the capture
-written by the routing kernel (and, last column but one, the routing kernel
-followed by the two-kernel ``align_routing`` instead of the one-program
-alignment).  Both replayed from a CUDA graph (as in
-decode), median of ``triton.testing.do_bench``; the last column is the
-difference times the model's MoE layers (what a decode step gains).
+Columns (each a CUDA-graph replay, median of ``triton.testing.do_bench``, µs a layer):
 
-    python benchmarks/routing.py            # on the GPU
-    python benchmarks/routing.py --smoke    # CPU, TRITON_INTERPRET=1: runs once, times nothing
+- ``torch``: what a decode step runs by default, the float32 softmax, ``topk``
+  (+ renormalisation, scaling), the weights' cast and ``align_routing`` (its
+  counting program and its atomic scatter, which writes the capture);
+- ``fused``: ``route_and_align``, the routing kernel (capture written there)
+  and ``align_routing``;
+- ``gain``: ``torch`` minus ``fused``, times the model's MoE layers (a decode step's gain).
+
+``--sweep`` also times the routing kernel alone at every (rows a program, warps)
+launch shape, to choose ``launch_shape``.
+
+    python benchmarks/routing.py [--sweep]   # on the GPU
+    python benchmarks/routing.py --smoke     # CPU, TRITON_INTERPRET=1: runs once, times nothing
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from kernels import DEV, SMOKE, bench, graphed  # benchmarks/kernels.py
 
 from moetrace.kernels import triton_moe as tm
-from moetrace.kernels.triton_routing import route, route_and_align
+from moetrace.kernels.triton_align import align_routing
+from moetrace.kernels.triton_routing import launch_shape, route, route_and_align
 from moetrace.layers.moe import softmax_topk
 
 # name: (experts, top_k, renormalize, scaling, logits dtype, weights dtype, MoE layers)
@@ -31,18 +36,15 @@ MODELS = {
 }
 
 
-def old_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, cap, cap_w):
-    weights, ids = softmax_topk(logits.float(), top_k, renormalize=renormalize)
+def torch_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, cap, cap_w):
+    weights, ids = softmax_topk(logits, top_k, renormalize=renormalize)
     if scaling is not None:
         weights = weights * scaling
     weights = weights.to(wdtype)
-    aligned = tm.align_routing(
-        ids, experts, block_m, cap, topk_weights=weights, capture_weights=cap_w
-    )
-    return aligned, weights.reshape(-1).to(torch.float32)
+    return align_routing(ids, experts, block_m, cap, topk_weights=weights, capture_weights=cap_w)
 
 
-def new_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, cap, cap_w):
+def fused_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, cap, cap_w):
     return route_and_align(
         logits,
         top_k,
@@ -56,27 +58,33 @@ def new_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, cap,
     )
 
 
-def new_two_align(logits, experts, top_k, renormalize, scaling, wdtype, block_m, cap, cap_w):
-    """The routing kernel, then the two-kernel alignment (``align_routing``)."""
-    weights, ids, weights_f32 = route(
-        logits,
-        top_k,
-        "softmax_topk",
-        renormalize=renormalize,
-        scaling=scaling,
-        weights_dtype=wdtype,
-        capture=cap,
-        capture_weights=cap_w,
-    )
-    return tm.align_routing(ids, experts, block_m), weights_f32
+def sweep(logits, top_k, renormalize, scaling, wdtype, cap, cap_w) -> str:
+    """The routing kernel alone at each launch shape: 'rows x warps: us' pairs, best first."""
+    times = []
+    for rows in (1, 2, 4, 8, 16):
+        for warps in (1, 2, 4):
+            fn = graphed(
+                lambda rows=rows, warps=warps: route(
+                    logits,
+                    top_k,
+                    "softmax_topk",
+                    renormalize=renormalize,
+                    scaling=scaling,
+                    weights_dtype=wdtype,
+                    capture=cap,
+                    capture_weights=cap_w,
+                    rows=rows,
+                    num_warps=warps,
+                )
+            )
+            times.append((bench(fn) * 1e3, rows, warps))
+    times.sort()
+    return "  ".join(f"{r}x{w}: {t:.1f}" for t, r, w in times)
 
 
 def main() -> None:
     tokens_list = [7] if SMOKE else [256, 8192]
-    print(
-        f"{'model':18s} {'T':>6s} {'old us':>9s} {'new us':>9s} {'new, 2-kernel align':>20s}"
-        f" {'step gain us':>13s}"
-    )
+    print(f"{'model':18s} {'T':>6s} {'torch':>8s} {'fused':>8s} {'gain/step':>10s}")
     for name, (experts, top_k, renorm, scaling, ldtype, wdtype, layers) in MODELS.items():
         for tokens in tokens_list:
             gen = torch.Generator().manual_seed(tokens)
@@ -85,15 +93,19 @@ def main() -> None:
             cap_w = torch.zeros(tokens, top_k, dtype=torch.float16, device=DEV)
             block_m = tm.moe_config(tokens, top_k, experts).block_m
             args = (logits, experts, top_k, renorm, scaling, wdtype, block_m, cap, cap_w)
-            old = bench(graphed(lambda args=args: old_path(*args)))
-            new = bench(graphed(lambda args=args: new_path(*args)))
-            two = bench(graphed(lambda args=args: new_two_align(*args)))
-            gain = (old - min(new, two)) * 1e3 * layers
+            base = bench(graphed(lambda args=args: torch_path(*args)))
+            fused = bench(graphed(lambda args=args: fused_path(*args)))
             print(
-                f"{name:18s} {tokens:6d} {old * 1e3:9.1f} {new * 1e3:9.1f} {two * 1e3:20.1f}"
-                f" {gain:13.0f}",
+                f"{name:18s} {tokens:6d} {base * 1e3:8.1f} {fused * 1e3:8.1f}"
+                f" {(base - fused) * 1e3 * layers:8.0f}us",
                 flush=True,
             )
+            if "--sweep" in sys.argv and tokens <= 1024:
+                print(
+                    f"  route kernel, rows x warps (default {launch_shape(experts)}): "
+                    + sweep(logits, top_k, renorm, scaling, wdtype, cap, cap_w),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ captured in its own CUDA graph and replayed (``do_bench`` medians):
   the next input norm against ``add_rms_norm`` on the un-summed rows;
 - ``weights``: the top-k weights' float32 cast, which the down GEMM no
   longer needs (it reads the 16-bit weights);
-- ``align``: not changed, measured to decide: the default path's two-launch
-  ``align_routing`` against the fused-routing path's one-launch ``align_small``.
 
 Each part's outputs are checked: the fused ones bit for bit against the old,
 except the top-k sum, whose float32 order is not torch's (the share of
@@ -229,41 +227,6 @@ def weights_part(key: str) -> None:
            "cast removed: the down GEMM widens the 16-bit weights as it loads them")  # fmt: skip
 
 
-def _groups(aligned, num_pairs: int) -> torch.Tensor:
-    """Each used row's (expert, pair) as one sortable key: the layout up to the order inside
-    a group, which the GEMMs do not depend on (they write each row back by pair)."""
-    used = int(aligned.num_rows_padded.item())
-    expert = aligned.block_expert_ids.repeat_interleave(aligned.block_m)[:used].long()
-    return torch.sort(expert * (num_pairs + 1) + aligned.sorted_pair_ids[:used].long()).values
-
-
-def align_part(key: str) -> None:
-    """Not changed here: ``align_routing`` (plan + scatter, what the default path runs) against
-    the fused-routing path's one-launch ``align_small``, to decide whether the default
-    path should take it for decode steps (it would need the capture writes added)."""
-    from moetrace.kernels.triton_moe import align_routing, moe_config
-    from moetrace.kernels.triton_routing import align_small
-
-    s = SHAPES[key]
-    scores = torch.rand(TOKENS, s.experts, device=DEV)
-    ids = scores.topk(s.top_k, dim=-1).indices  # int64, as torch.topk gives them
-    block_m = moe_config(TOKENS, s.top_k, s.experts).block_m
-    two = align_routing(ids, s.experts, block_m)
-    one = align_small(ids.to(torch.int32), s.experts, block_m)
-    pairs = ids.numel()
-    same = (
-        torch.equal(two.block_expert_ids, one.block_expert_ids)
-        and torch.equal(two.num_rows_padded, one.num_rows_padded)
-        and torch.equal(_groups(two, pairs), _groups(one, pairs))
-    )
-    ids32 = ids.to(torch.int32)
-    record(
-        s.name, "align", replay_us(lambda: align_routing(ids, s.experts, block_m)),
-        replay_us(lambda: align_small(ids32, s.experts, block_m)),
-        f"new = align_small (not wired in); same layout: {same}",
-    )  # fmt: skip
-
-
 # ------------------------------------------------------------------- layer
 def _decode_metadata(layers, tokens: int, context: int, block_size: int = 16) -> AttentionMetadata:
     """``tokens`` sequences decoding one token each at ``context``, blocks shuffled."""
@@ -341,7 +304,6 @@ def main() -> None:
         sections[f"{key}-attn-out"] = lambda key=key: attn_out_part(key)
         sections[f"{key}-moe-out"] = lambda key=key: moe_out_part(key)
         sections[f"{key}-weights"] = lambda key=key: weights_part(key)
-        sections[f"{key}-align"] = lambda key=key: align_part(key)
         sections[f"{key}-layer"] = lambda key=key: layer_part(key)
     wanted = [a for a in sys.argv[1:] if not a.startswith("--") and not a.isdigit()]
     order = [k for w in wanted for k in sections if k.startswith(w)] if wanted else list(sections)
@@ -354,7 +316,7 @@ def main() -> None:
     )
     for model, part, old, new, _ in ROWS:
         shape = next(s for s in SHAPES.values() if s.name == model)
-        layers = shape.moe_layers if part in ("moe-out", "weights", "align") else shape.layers
+        layers = shape.moe_layers if part in ("moe-out", "weights") else shape.layers
         saved = old - new
         step = "" if part == "layer" else f"{saved * layers / 1e3:7.2f} ms"
         print(f"{model:18s} {part:10s} {old:9.1f} {new:9.1f} {saved:8.1f} {step:>9s}")

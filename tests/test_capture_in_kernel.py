@@ -17,7 +17,7 @@ from engine_helpers import tiny_model  # noqa: E402
 from triton_helpers import DEVICE, INTERPRET, KERNEL_TEST_MARKS  # noqa: E402
 
 from moetrace.capture.capturer import RoutingCapturer, capture_dtype  # noqa: E402
-from moetrace.kernels.triton_moe import align_routing  # noqa: E402
+from moetrace.kernels.triton_align import align_routing  # noqa: E402
 
 pytestmark = KERNEL_TEST_MARKS
 UNTOUCHED = 77

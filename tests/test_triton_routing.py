@@ -25,8 +25,8 @@ from routing_cases import (  # noqa: E402
 )
 from triton_helpers import DEVICE, KERNEL_TEST_MARKS  # noqa: E402
 
-from moetrace.kernels.triton_moe import align_routing_torch  # noqa: E402
-from moetrace.kernels.triton_routing import align_small, route, route_and_align  # noqa: E402
+from moetrace.kernels.triton_align import align_routing_torch  # noqa: E402
+from moetrace.kernels.triton_routing import route, route_and_align  # noqa: E402
 
 pytestmark = KERNEL_TEST_MARKS
 MAX_ULPS = 8  # numpy's float32 exp against torch's CPU exp (Sleef), through the renormalisation
@@ -115,31 +115,6 @@ def test_capture_views_receive_ids_and_weights_in_their_dtypes():
     assert (w_buf[untouched] == 77).all()
     with pytest.raises(ValueError, match="does not fit"):
         route(logits, 4, "softmax_topk", capture=ids_buf[:8, 1])
-
-
-@pytest.mark.parametrize(
-    ("num_tokens", "num_experts", "top_k", "block_m"),
-    [(1, 8, 2, 16), (7, 60, 4, 32), (256, 64, 8, 64), (256, 128, 8, 32), (512, 64, 8, 64)],
-)
-def test_one_program_alignment_equals_the_torch_layout(num_tokens, num_experts, top_k, block_m):
-    gen = torch.Generator().manual_seed(num_tokens + num_experts)
-    # Skewed: some experts get nothing, some many.
-    probs = torch.rand(num_experts, generator=gen) ** 4
-    ids = torch.stack(
-        [torch.multinomial(probs, top_k, generator=gen) for _ in range(num_tokens)]
-    ).to(DEVICE, torch.int32)
-    got = align_small(ids, num_experts, block_m)
-    want = align_routing_torch(ids.long(), num_experts, block_m)
-    used = int(want.num_rows_padded.item())
-    assert int(got.num_rows_padded.item()) == used
-    assert torch.equal(got.block_expert_ids.cpu(), want.block_expert_ids.cpu())
-    # Within a block the order is the atomics' (results do not depend on it): compare sets.
-    g, w = got.sorted_pair_ids.cpu(), want.sorted_pair_ids.cpu()
-    for start in range(0, used, block_m):
-        assert sorted(g[start : start + block_m].tolist()) == sorted(
-            w[start : start + block_m].tolist()
-        )
-    assert (g[used:] == ids.numel()).all()
 
 
 def test_route_and_align_hands_the_experts_a_layout_for_their_tiles():

@@ -1,14 +1,12 @@
 """The MoE routing path in two Triton launches: scoring + top-k + weights + capture, then alignment.
 
 On the torch path a decode step's MoE layer runs, between the router GEMM and
-the first expert GEMM: the logits' cast to float32, the softmax, ``topk``
-(its selection and its sort), the renormalisation's sum and division, the
-weights' cast to the model dtype, the alignment's two kernels and the
-weights' cast back to float32 for the GEMM: 8 to 10 launches of 2-11 us each
-at batch 256.  Here ``_route_kernel`` (one program per few rows) does the
-scoring, the top-k, the weights, their casts and the capture writes, and
-``_align_small_kernel`` (one program) groups the pairs by expert for the
-fused-MoE GEMMs: two launches.
+the first expert GEMM: the softmax, ``topk`` (its selection and its sort),
+the renormalisation's sum and division, the weights' cast to the model dtype
+and the alignment: 6 to 8 launches of 2-11 us each at batch 256.  Here
+``_route_kernel`` (a program per few rows) does the scoring, the top-k, the
+weights, their casts and the capture writes, and ``align_routing``
+(``kernels/triton_align.py``) groups the pairs by expert: three launches.
 
 Ids are chosen on what the torch path ranks (the float32 probabilities for
 ``softmax_topk``, which distinct logits can share; the logits for
@@ -33,17 +31,13 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moetrace.kernels.triton_moe import AlignedRouting, AlignWork, align_routing
+from moetrace.kernels.triton_align import AlignedRouting, align_routing
 from moetrace.kernels.triton_rounding import round_to
 
 # Scoring rules the kernel computes (the families' rules in ``layers/moe.py``).
 SOFTMAX_TOPK = 0  # softmax over every expert, top-k, optional renormalisation
 TOPK_SOFTMAX = 1  # top-k on the logits, softmax over the k
 SCORINGS = {"softmax_topk": SOFTMAX_TOPK, "topk_softmax": TOPK_SOFTMAX}
-
-# Pairs (tokens x top-k) up to which one program aligns them (plan and scatter
-# in one launch); beyond, the two-kernel ``align_routing`` spreads the scatter.
-SMALL_ALIGN_MAX_PAIRS = 4096
 
 
 class FusedRouting(NamedTuple):
@@ -230,25 +224,38 @@ def _route_kernel(
     else:
         keys = x
 
-    # Top-k by repeated arg-max: the largest key, the lowest index among equals.
-    # ``taken`` (not -inf) marks picks, so -inf or NaN logits still give k distinct ids.
+    # Top-k by repeated arg-max over one int64 per expert: the key's float order
+    # as an integer above, the index below inverted, so the largest key wins
+    # and the lower index among equals; a pick is struck out by its own bits,
+    # so -inf or NaN logits still give k distinct ids.  Keys are compared as
+    # torch's float compare does (-0 as +0; a NaN above everything).
     slots = tl.arange(0, K_P2)
-    ids = tl.zeros([ROWS, K_P2], dtype=tl.int32)
-    values = tl.full([ROWS, K_P2], float("-inf"), dtype=tl.float32)
-    free = (cols < num_experts)[None, :] & (rows >= 0)[:, None]
+    lowest = -9223372036854775807 - 1
+    bits = tl.where(keys == 0.0, 0.0, keys).to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    packed = (bits.to(tl.int64) << 32) | (EXPERTS_P2 - 1 - cols)[None, :].to(tl.int64)
+    packed = tl.where(col_ok[None, :], packed, lowest)
+    picks = tl.full([ROWS, K_P2], lowest, dtype=tl.int64)
+    tied = tl.zeros([ROWS], dtype=tl.int1)
+    previous = tl.zeros([ROWS], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.max(tl.where(free, keys, float("-inf")), axis=1)
-        hit = free & (keys == best[:, None])
-        pick = tl.min(tl.where(hit, cols[None, :], EXPERTS_P2), axis=1)
-        first_free = tl.min(tl.where(free, cols[None, :], EXPERTS_P2), axis=1)
-        pick = tl.where(pick < EXPERTS_P2, pick, first_free)
-        free = free & (cols[None, :] != pick[:, None])
-        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
-        values = tl.where(slots[None, :] == j, best[:, None], values)
-    if TOP_K > 1:
-        ids, values = _torch_cuda_order(ids, values, ROWS, TOP_K, K_P2)
-
+        best = tl.max(packed, axis=1)
+        packed = tl.where(packed == best[:, None], lowest, packed)
+        picks = tl.where(slots[None, :] == j, best[:, None], picks)
+        if j > 0:
+            tied = tied | ((best >> 32) == (previous >> 32))
+        previous = best
     in_k = (slots < TOP_K)[None, :]
+    ids = tl.where(in_k, EXPERTS_P2 - 1 - (picks & 0xFFFFFFFF).to(tl.int32), 0)
+    key = (picks >> 32).to(tl.int32)
+    values = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+    values = tl.where(in_k, values, float("-inf"))
+    # Distinct values come out of torch's sort largest first, as picked; only a
+    # tie among the k needs its network (a program runs it when any row has one).
+    if TOP_K > 1:  # noqa: SIM102 (a compile-time test: k = 1 compiles no network)
+        if tl.max(tied.to(tl.int32), axis=0) > 0:
+            ids, values = _torch_cuda_order(ids, values, ROWS, TOP_K, K_P2)
+
     if SCORING == 0:
         w = values  # the picks' shares of the softmax over every expert
     else:
@@ -280,66 +287,15 @@ def _route_kernel(
         tl.store(dst, w.to(capture_weights_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "num_rows"])
-def _align_small_kernel(
-    ids_ptr,
-    cursor_ptr,
-    block_expert_ids_ptr,
-    num_rows_padded_ptr,
-    sorted_pair_ids_ptr,
-    num_pairs,
-    num_experts,
-    num_blocks,
-    num_rows,
-    BLOCK_M: tl.constexpr,
-    EXPERTS_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
-    """``align_routing``'s plan and scatter in one program (few pairs: decode).
+def launch_shape(experts_p2: int) -> tuple[int, int]:
+    """(rows a program, warps) of ``_route_kernel`` for a power-of-two expert count.
 
-    Counts pairs per expert, lays out the padded groups, labels row blocks,
-    fills every row with the padding marker, then (after a barrier, so the
-    cursors and the fill are visible) gives each pair the next row of its
-    expert's group.
+    One row, one warp: swept on the H200 (``benchmarks/routing.py --sweep``, T=256)
+    it was the fastest shape for 64 and 128 experts, 7.5 and 7.8 us against 14.2
+    and 46.5 for 16 rows on 4 warps (cross-warp reductions and the sort network's
+    layout changes cost barriers; one warp needs none).
     """
-    offs = tl.arange(0, CHUNK)
-    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        idx = start + offs
-        ok = idx < num_pairs
-        e = tl.load(ids_ptr + idx, mask=ok, other=0)
-        counts += tl.histogram(e, EXPERTS_P2, mask=ok)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    experts = tl.arange(0, EXPERTS_P2)
-    tl.store(cursor_ptr + experts, ends - padded, mask=experts < num_experts)
-    tl.store(num_rows_padded_ptr, tl.sum(padded, 0))
-    offs_b = tl.arange(0, BLOCK_B)
-    for start in range(0, num_blocks, BLOCK_B):
-        blk = start + offs_b
-        owner = tl.sum((ends[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), 1)
-        owner = tl.minimum(owner, num_experts)
-        tl.store(block_expert_ids_ptr + blk, owner, mask=blk < num_blocks)
-    for start in range(0, num_rows, CHUNK):
-        idx = start + offs
-        tl.store(
-            sorted_pair_ids_ptr + idx, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=idx < num_rows
-        )
-    tl.debug_barrier()
-    for start in range(0, num_pairs, CHUNK):
-        idx = start + offs
-        ok = idx < num_pairs
-        e = tl.load(ids_ptr + idx, mask=ok, other=0)
-        row = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=ok)
-        tl.store(sorted_pair_ids_ptr + row, idx.to(tl.int32), mask=ok)
-
-
-def align_small(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
-    """``align_routing``'s layout (without capture) in one launch; int32 ``ids`` ``[T, k]``."""
-    work = AlignWork.allocate(ids, num_experts, block_m)
-    _align_small_kernel[(1,)](*work.plan_args(), CHUNK=512, **work.plan_meta())
-    return work.aligned()
+    return 1, max(1, experts_p2 // 128)
 
 
 def route(
@@ -352,6 +308,8 @@ def route(
     weights_dtype: torch.dtype = torch.float32,
     capture: torch.Tensor | None = None,
     capture_weights: torch.Tensor | None = None,
+    rows: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights in ``weights_dtype``, int32 ids, float32 weights) of ``[T, E]`` router logits.
 
@@ -361,6 +319,7 @@ def route(
     cast (DeepSeek's ``routed_scaling_factor``).  ``capture``/``capture_weights``,
     ``[T, k]`` views with unit column stride, receive the ids and the weights
     (from ``weights_dtype``), as the capturer's copy would write them.
+    ``rows``/``num_warps`` override ``launch_shape`` (for benchmarks).
     """
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; have {sorted(SCORINGS)}")
@@ -384,7 +343,8 @@ def route(
     if num_tokens == 0:
         return weights, ids, weights_f32
     experts_p2 = triton.next_power_of_2(num_experts)
-    rows = max(1, min(16, 2048 // experts_p2))
+    default_rows, default_warps = launch_shape(experts_p2)
+    rows = rows or default_rows
     _route_kernel[(triton.cdiv(num_tokens, rows),)](
         logits,
         ids,
@@ -410,7 +370,7 @@ def route(
         LIBDEVICE=logits.is_cuda,
         WARP=min(experts_p2, 32),
         K_WARP=min(triton.next_power_of_2(top_k), 32),
-        num_warps=4,
+        num_warps=num_warps or default_warps,
     )
     return weights, ids, weights_f32
 
@@ -429,7 +389,7 @@ def route_and_align(
 ) -> FusedRouting:
     """``route``, then the pairs grouped by expert in ``block_m``-row groups for the GEMMs.
 
-    Two launches where ``T * top_k <= SMALL_ALIGN_MAX_PAIRS``, three beyond.
+    Three launches: the routing kernel and ``align_routing``'s two.
     """
     weights, ids, weights_f32 = route(
         logits,
@@ -442,8 +402,5 @@ def route_and_align(
         capture_weights=capture_weights,
     )
     num_experts = logits.shape[1]
-    if ids.numel() <= SMALL_ALIGN_MAX_PAIRS:
-        aligned = align_small(ids, num_experts, block_m)
-    else:
-        aligned = align_routing(ids, num_experts, block_m)
+    aligned = align_routing(ids, num_experts, block_m)
     return FusedRouting(weights, ids, weights_f32, aligned)
