@@ -130,14 +130,13 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # Steps of up to this many tokens route through the fused Triton kernels where a
 # layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``);
 # larger ones (prefill) through the torch ops.  Decided by the step's size, so a
-# captured graph always holds one path.  It orders tied values as CUDA's
-# ``torch.topk`` does and its weights are torch's to 1-2 units in the last place
-# (``tests/test_gpu_routing.py``; ``tests/test_gpu_engine.py`` passed with it on).
-# Off by default because it does not pay: on the H200 it saved 10 us a layer of
-# OLMoE's routing but not a measurable part of its decode step, and costs Qwen3's
-# 128-expert routing 18 us a layer (docs/benchmarks.md).
-# ``MOETRACE_FUSED_ROUTING=1`` turns it on.
-FUSED_ROUTING_MAX_TOKENS = 1024 if os.environ.get("MOETRACE_FUSED_ROUTING") == "1" else 0
+# captured graph always holds one path.  Its ids are CUDA ``torch.topk``'s on
+# every row, ties included, and its float32 weights torch's to 1-2 units in the
+# last place (``tests/test_gpu_routing.py``; ``tests/test_gpu_engine.py`` passes
+# with it).  On by default since it pays on the H200: the batch-256 decode step
+# 20.63 -> 19.86 ms on Qwen3-30B-A3B's shape, 7.94 -> 7.72 on OLMoE-1B-7B's
+# (docs/benchmarks.md).  ``MOETRACE_FUSED_ROUTING=0`` turns it off.
+FUSED_ROUTING_MAX_TOKENS = 0 if os.environ.get("MOETRACE_FUSED_ROUTING") == "0" else 1024
 
 
 class RoutingRule(NamedTuple):
