@@ -180,18 +180,13 @@ def _align_scatter_kernel(
         tl.store(dst, w.to(capture_weights_ptr.dtype.element_ty), mask=ok)
 
 
-def _check_capture_views(
-    ids: torch.Tensor,
-    capture: torch.Tensor | None,
-    topk_weights: torch.Tensor | None,
-    capture_weights: torch.Tensor | None,
+def check_capture_views(
+    shape: tuple[int, ...], capture: torch.Tensor | None, capture_weights: torch.Tensor | None
 ) -> None:
-    """The capture views must be ``[T, k]`` like the ids, columns adjacent."""
+    """Capture views must be ``shape`` (the ids' ``[T, k]``) with adjacent columns."""
     for view, what in ((capture, "capture"), (capture_weights, "weights capture")):
-        if view is not None and (view.shape != ids.shape or view.stride(1) != 1):
-            raise ValueError(f"{what} view {tuple(view.shape)} does not fit ids {tuple(ids.shape)}")
-    if capture_weights is not None and (topk_weights is None or topk_weights.shape != ids.shape):
-        raise ValueError("a weights capture needs the [T, k] weights")
+        if view is not None and (tuple(view.shape) != tuple(shape) or view.stride(1) != 1):
+            raise ValueError(f"{what} view {tuple(view.shape)} does not fit ids {tuple(shape)}")
 
 
 def align_routing(
@@ -215,8 +210,10 @@ def align_routing(
     ``capture_weights``, likewise, receives ``topk_weights``.
     """
     ids = topk_ids.contiguous()
-    _check_capture_views(ids, capture, topk_weights, capture_weights)
+    check_capture_views(ids.shape, capture, capture_weights)
     if capture_weights is not None:
+        if topk_weights is None or topk_weights.shape != ids.shape:
+            raise ValueError("a weights capture needs the [T, k] weights")
         topk_weights = topk_weights.contiguous()
     num_pairs = ids.numel()
     work = AlignWork.allocate(ids, num_experts, block_m)

@@ -1,10 +1,10 @@
-"""The MoE routing path in two Triton launches: scoring + top-k + weights + capture, then alignment.
+"""The MoE routing path in three Triton launches: scoring + top-k + weights + capture, then alignment.
 
 On the torch path a decode step's MoE layer runs, between the router GEMM and
 the first expert GEMM: the softmax, ``topk`` (its selection and its sort),
 the renormalisation's sum and division, the weights' cast to the model dtype
 and the alignment: 6 to 8 launches of 2-11 us each at batch 256.  Here
-``_route_kernel`` (a program per few rows) does the scoring, the top-k, the
+``_route_kernel`` (a program per row on the GPU) does the scoring, the top-k, the
 weights, their casts and the capture writes, and ``align_routing``
 (``kernels/triton_align.py``) groups the pairs by expert: three launches.
 
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moetrace.kernels.triton_align import AlignedRouting, align_routing
+from moetrace.kernels.triton_align import AlignedRouting, align_routing, check_capture_views
 from moetrace.kernels.triton_rounding import round_to
 
 # Scoring rules the kernel computes (the families' rules in ``layers/moe.py``).
@@ -99,6 +99,19 @@ def _warp_order_sum(e, ROWS: tl.constexpr, N: tl.constexpr, WARP: tl.constexpr):
     return tl.reshape(lanes, (ROWS,))
 
 
+@triton.jit
+def _float_order(x):
+    """float32 ``x`` as int32 keys in its float order (-0 as +0, as a float compare has it)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _from_float_order(key):
+    """``_float_order``'s inverse (a -0 comes back +0)."""
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
 SORT_SLOTS: tl.constexpr = tl.constexpr(32)  # torch's small bitonic sort: k <= 32 values
 
 
@@ -149,10 +162,8 @@ def _torch_cuda_order(ids, values, ROWS: tl.constexpr, TOP_K: tl.constexpr, K_P2
     )
     start = tl.sum(before.to(tl.int32), axis=2) + tl.where(above, 0, n_above)
     start = tl.where(in_k, start, SORT_SLOTS)  # picks past k take no slot
-    # The key's float order as integers (-0 as +0: the sort compares floats), id + 1 below.
-    key = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
-    key = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
-    packed = (key.to(tl.int64) << 32) | (ids + 1).to(tl.int64)
+    # The key's float order as integers (the sort compares floats), id + 1 below.
+    packed = (_float_order(values).to(tl.int64) << 32) | (ids + 1).to(tl.int64)
     net = tl.arange(0, SORT_SLOTS)
     placed = start[:, None, :] == net[None, :, None]  # [ROWS, slot, pick]
     network = tl.sum(tl.where(placed, packed[:, None, :], 0), axis=2)
@@ -167,8 +178,7 @@ def _torch_cuda_order(ids, values, ROWS: tl.constexpr, TOP_K: tl.constexpr, K_P2
     new_ids = (first & 0xFFFFFFFF).to(tl.int32) - 1
     # Each slot's value from its key bits (a -0 comes back +0: every weight rule
     # subtracts a maximum from it first, where the two give the same difference).
-    key = (first >> 32).to(tl.int32)
-    new_values = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+    new_values = _from_float_order((first >> 32).to(tl.int32))
     return tl.where(in_k, new_ids, ids), tl.where(in_k, new_values, values)
 
 
@@ -231,9 +241,7 @@ def _route_kernel(
     # torch's float compare does (-0 as +0; a NaN above everything).
     slots = tl.arange(0, K_P2)
     lowest = -9223372036854775807 - 1
-    bits = tl.where(keys == 0.0, 0.0, keys).to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    packed = (bits.to(tl.int64) << 32) | (EXPERTS_P2 - 1 - cols)[None, :].to(tl.int64)
+    packed = (_float_order(keys).to(tl.int64) << 32) | (EXPERTS_P2 - 1 - cols)[None, :].to(tl.int64)
     packed = tl.where(col_ok[None, :], packed, lowest)
     picks = tl.full([ROWS, K_P2], lowest, dtype=tl.int64)
     tied = tl.zeros([ROWS], dtype=tl.int1)
@@ -247,9 +255,7 @@ def _route_kernel(
         previous = best
     in_k = (slots < TOP_K)[None, :]
     ids = tl.where(in_k, EXPERTS_P2 - 1 - (picks & 0xFFFFFFFF).to(tl.int32), 0)
-    key = (picks >> 32).to(tl.int32)
-    values = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
-    values = tl.where(in_k, values, float("-inf"))
+    values = tl.where(in_k, _from_float_order((picks >> 32).to(tl.int32)), float("-inf"))
     # Distinct values come out of torch's sort largest first, as picked; only a
     # tie among the k needs its network (a program runs it when any row has one).
     if TOP_K > 1:  # noqa: SIM102 (a compile-time test: k = 1 compiles no network)
@@ -331,9 +337,7 @@ def route(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     shape = (num_tokens, top_k)
-    for view, what in ((capture, "capture"), (capture_weights, "weights capture")):
-        if view is not None and (tuple(view.shape) != shape or view.stride(1) != 1):
-            raise ValueError(f"{what} view {tuple(view.shape)} does not fit ids {shape}")
+    check_capture_views(shape, capture, capture_weights)
     device = logits.device
     ids = torch.empty(shape, dtype=torch.int32, device=device)
     weights = torch.empty(shape, dtype=weights_dtype, device=device)
