@@ -18,13 +18,12 @@ triton = pytest.importorskip("triton")
 
 from moetrace.forward_context import AttentionMetadata  # noqa: E402
 from moetrace.kernels import triton_attention  # noqa: E402
+from moetrace.kernels.triton_align import align_routing, align_routing_torch  # noqa: E402
 from moetrace.kernels.triton_attention import (  # noqa: E402
     paged_attention,
     store_kv,
 )
 from moetrace.kernels.triton_moe import (  # noqa: E402
-    align_routing,
-    align_routing_torch,
     fused_moe,
     grouped_mm_available,
     moe_forward,
