@@ -224,8 +224,7 @@ def main() -> None:
     print(json.dumps(summary, indent=1), flush=True)
     if args.profile_replay and args.profile_replay in last_plans:
         plan = workloads.with_known_tokens(last_plans[args.profile_replay])
-        runner.graphs._stage(plan, args.profile_replay)
-        graph = runner.graphs.graphs[args.profile_replay]
+        graph = runner.graphs.stage_graph(plan, args.profile_replay)
         for _ in range(3):
             graph.replay()
         sync()

@@ -126,8 +126,8 @@ def decode_step_profile(engine: LLMEngine, model, batch: int, last_plans: dict) 
     if graphs is None or batch not in graphs.graphs or plan is None or not plan.decode_only:
         return {}
     engine.runner.bind()
-    graphs._stage(workloads.with_known_tokens(plan), batch)  # the last decode step, as it ran
-    graph = graphs.graphs[batch]
+    # The last decode step, as it ran (in the decode-only graph where one was captured).
+    graph = graphs.stage_graph(workloads.with_known_tokens(plan), batch)
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

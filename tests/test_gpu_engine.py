@@ -111,9 +111,12 @@ def run_counting(model, prompts, max_tokens, abort_after=None, **engine):
     original = graphs.run
 
     def counted(plan, fill):
-        replayed = graphs.bucket(plan.num_tokens) in graphs.graphs
+        size = graphs.bucket(plan.num_tokens)
+        replayed = size in graphs.graphs
         kind = ("decode" if plan.decode_only else "mixed") + ("/graph" if replayed else "/eager")
         kinds[kind] = kinds.get(kind, 0) + 1
+        if graphs.pads_per_token(plan, size) and size in graphs.decode_graphs:
+            kinds["decode-only graph"] = kinds.get("decode-only graph", 0) + 1
         return original(plan, fill)
 
     graphs.run = counted
@@ -152,12 +155,39 @@ def test_mixed_steps_replayed_from_graphs_equal_eager(setting):
     graph, kinds, stats = run_counting(model, prompts, max_tokens, abort, **engine)
     assert_same(eager, graph)
     assert kinds.get("mixed/graph", 0) >= 5 and "mixed/eager" not in kinds, kinds
+    assert kinds.get("decode-only graph", 0) >= 3, kinds
     assert "mixed/graph" not in eager_kinds
     if "num_kv_blocks" in setting:
         assert stats.preemptions > 0 and eager_stats.preemptions == stats.preemptions
     if abort:
         assert "abort" in {graph[r].finish_reason for r in abort[1]}
     assert any(f.num_cached_tokens for f in graph.values())  # prefix hits happened
+
+
+def test_decode_only_graphs_give_the_mixed_graphs_logits():
+    """A decode step padded with one-token sequences and replayed from its decode-only graph
+    (no prefill-class attention launch) gives its real rows the logits that the mixed graph
+    gives them padded with one long sequence, bit for bit."""
+    from moetrace.engine.step_plan import build_plan
+
+    model = gpu_model(torch.bfloat16)
+    config = EngineConfig(num_kv_blocks=512, block_size=16, max_num_seqs=16, async_scheduling=False)
+    eng = LLMEngine(model, config, CUDA)
+    for i in range(5):
+        eng.add_request(f"r{i}", list(range(3 + i, 30 + 3 * i)), SamplingParams(max_tokens=8))
+    eng.step()
+    eng.step()
+    plan = build_plan(eng.scheduler.schedule(), config.block_size)
+    assert plan.decode_only and plan.num_tokens == 5 and (plan.input_ids >= 0).all()
+    graphs = eng.runner.graphs
+    size = graphs.bucket(plan.num_tokens)
+    assert size == 8 and graphs.pads_per_token(plan, size) and size in graphs.decode_graphs
+    decode = graphs.run(plan, None).clone()
+    graphs.pads_per_token = lambda plan, size: False  # pad as the mixed graphs do
+    assert graphs.stage_graph(plan, size) is graphs.graphs[size]
+    mixed = graphs.run(plan, None).clone()
+    assert decode.shape[0] == 5
+    torch.testing.assert_close(decode, mixed, rtol=0, atol=0)
 
 
 def test_no_kernel_compiles_after_start_up():

@@ -9,6 +9,14 @@ graph captured for ``B`` serves any step that pads to ``B``: decode-only,
 prefill chunks, prefix hits, or a mix.  Sizes above ``max_graph_tokens`` run
 the same padded forward eagerly.
 
+Decode-only steps get graphs of their own.  The mixed graph launches the
+attention kernel's prefill class too, whose programs find no work in a
+decode step and return, which still cost 6-14 µs a layer on the H200
+(``benchmarks/attention_tiles.py``, docs/benchmarks.md).  A decode-only step
+whose padding fits the sequence slots pads with one-token sequences instead
+of one long one, so every query is a decode query and its graph launches the
+decode class alone.
+
 Why pad eager steps too: a step's results then never depend on whether a graph
 ran it (the same kernels see the same shapes), and the kernels see a bounded
 set of shapes, all compiled before the first step instead of during the run.
@@ -125,6 +133,9 @@ class StepGraphs:
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # Decode-only steps (every query one token, padding included), where they fit.
+        self.decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.decode_logits: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def seqs_for(self, tokens: int) -> int:
@@ -134,6 +145,11 @@ class StepGraphs:
     def bucket(self, num_tokens: int) -> int:
         return next(b for b in self.sizes if b >= num_tokens)
 
+    def pads_per_token(self, plan: StepPlan | None, size: int) -> bool:
+        """Whether ``plan`` at ``size`` pads with one-token sequences: a decode-only step
+        whose real and padding tokens each fit a sequence slot of their own."""
+        return plan is not None and plan.decode_only and size <= self.buffers[size].seqs
+
     # ------------------------------------------------------------------ inputs
     def _stage(self, plan: StepPlan | None, size: int) -> AttentionMetadata:
         """Write the step (or, with no plan, an all-padding step) into the static buffers."""
@@ -141,6 +157,7 @@ class StepGraphs:
         n = 0 if plan is None else plan.num_tokens
         s = 0 if plan is None else plan.num_seqs
         pad = size - n
+        per_token = self.pads_per_token(plan, size)
         bs = self.runner.block_size
         slot = self.turn
         self.turn ^= 1
@@ -166,9 +183,15 @@ class StepGraphs:
         h64[pos + n : pos + size] = 0
         h64[slots + n : slots + size] = self.scratch_block * bs + np.arange(pad) % bs
         h64[logit_rows + rows : logit_rows + q] = 0
-        h32[starts + s + 1 : starts + q + 1] = size  # the padding sequence ends the step
-        h32[lens + s] = pad
-        h32[lens + s + 1 : lens + q] = 0
+        if per_token:  # padding token i is sequence s + i, of one token
+            h32[starts + s + 1 : starts + s + pad + 1] = np.arange(n + 1, size + 1)
+            h32[lens + s : lens + s + pad] = 1
+            h32[starts + s + pad + 1 : starts + q + 1] = size
+            h32[lens + s + pad : lens + q] = 0
+        else:  # one padding sequence (of no tokens when pad is 0) ends the step
+            h32[starts + s + 1 : starts + q + 1] = size
+            h32[lens + s] = pad
+            h32[lens + s + 1 : lens + q] = 0
         h32[stride] = width
         tables = h32[buf.tables_offset : buf.tables_offset + q * width].reshape(q, width)
         if plan is not None:
@@ -181,7 +204,7 @@ class StepGraphs:
         if event is not None:
             event.record()
         q_lens = np.diff(plan.query_start) if plan is not None and s else np.zeros(0, np.int64)
-        q_lens = np.append(q_lens, pad) if pad else q_lens
+        q_lens = np.append(q_lens, 1 if per_token else pad) if pad else q_lens
         return self._meta(
             size,
             max_query_len=int(q_lens.max()) if q_lens.size else 0,
@@ -215,8 +238,9 @@ class StepGraphs:
     # ----------------------------------------------------------------- capture
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture the graph sizes, largest first so smaller ones share its memory pool,
-        and compile the kernels of the eager sizes, so no step compiles anything.
+        """Capture the graph sizes, largest first so smaller ones share its memory pool
+        (each with a decode-only graph beside it where ``pads_per_token`` can hold), and
+        compile the kernels of the eager sizes, so no step compiles anything.
 
         No garbage collection while capturing: an earlier engine's runner
         (a reference cycle) freed mid-capture releases CUDA resources, which a
@@ -236,6 +260,12 @@ class StepGraphs:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[size] = graph
+                if 1 < size <= self.buffers[size].seqs:  # size 1's graph is decode-only
+                    graph = torch.cuda.CUDAGraph()
+                    meta = self._meta(size, max_query_len=1, min_query_len=1)
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        self.decode_logits[size] = self._forward(size, meta)
+                    self.decode_graphs[size] = graph
             for size in self.sizes:
                 if size not in self.graphs:
                     self._forward(size, self._stage(None, size))
@@ -264,9 +294,26 @@ class StepGraphs:
         meta = self._stage(plan, size)
         if fill is not None:
             self.buffers[size].ids.index_copy_(0, *fill)
-        if size in self.graphs:
-            self.graphs[size].replay()
-            logits = self.logits[size]
+        captured = self._captured(size, meta)
+        if captured is not None:
+            captured[0].replay()
+            logits = captured[1]
         else:
             logits = self._forward(size, meta)
         return logits[: len(plan.logits_rows)]
+
+    def _captured(
+        self, size: int, meta: AttentionMetadata
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """The graph (and its logits) that replays a step staged as ``meta`` at ``size``."""
+        if meta.max_query_len <= 1 and size in self.decode_graphs:
+            return self.decode_graphs[size], self.decode_logits[size]
+        if size in self.graphs:
+            return self.graphs[size], self.logits[size]
+        return None
+
+    def stage_graph(self, plan: StepPlan, size: int) -> torch.cuda.CUDAGraph | None:
+        """Stage ``plan`` at ``size`` and return the graph that would replay it (benchmarks
+        replay a step's graph on its own)."""
+        captured = self._captured(size, self._stage(plan, size))
+        return None if captured is None else captured[0]
