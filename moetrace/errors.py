@@ -8,8 +8,21 @@ Everything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 
+def one_line(text: str) -> str:
+    """``text`` with its control characters (a newline in a JSON key the user wrote, say)
+    shown as escapes, so that a message quoting the user's input stays one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 class MoetraceError(Exception):
     """A problem the user can fix, described in one line."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (one_line(args[0]),)
+        super().__init__(*args)
 
 
 class InputError(MoetraceError):

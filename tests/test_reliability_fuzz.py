@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_prompts import lines, near_valid
 
@@ -74,6 +74,7 @@ def _check(raw: bytes, skip: bool, max_model_len: int) -> None:
     st.booleans(),
     st.sampled_from([8, 64, 1024]),
 )
+@example(['{"\\n": null}', json.dumps({"prompt_token_ids": [0] * 5})], True, 8)  # a newline key
 def test_any_prompt_file_records_or_is_refused_in_one_line(items, skip, max_model_len):
     raw = b"\n".join(
         x if isinstance(x, bytes) else x.encode("utf-8", "surrogatepass") for x in items
