@@ -3,9 +3,9 @@
 Each variant is the decode-class launch alone (``q_len == 1``) at one
 (BLOCK_N, warps, stages, key splits), replayed from a CUDA graph at batch 256
 and the given context, its output checked against the default first.  Also
-timed: what a captured decode step launches today (both classes: the
+timed: both classes as a mixed graph launches them (on a decode batch the
 prefill class's programs find no work and return), and the prefill class
-alone on the same decode batch (its cost in a decode step).
+alone on the same decode batch (what a decode-only graph saves).
 
     python benchmarks/attention_tiles.py [--shapes qwen3,olmoe,gpt-oss] [--ctx 320]
     TRITON_INTERPRET=1 python benchmarks/attention_tiles.py --smoke   # CPU: runs, times nothing
@@ -117,20 +117,22 @@ def sweep(name: str, batch: int, ctx: int, hbm_gbs: float, top: int) -> None:
             print(f"  {label:40s} FAILED {type(exc).__name__}: {str(exc)[:100]}")
             return None
         us = ms * 1e3
-        print(f"  {label:40s} {us:8.1f} us  {bound_us and us / bound_us:5.2f}x bound", flush=True)
+        print(f"  {label:40s} {us:8.1f} us  {us / bound_us:5.2f}x bound", flush=True)
         return us
 
     # What a captured step launches: both classes (the graph's metadata allows any mix).
     both_meta = dataclasses.replace(meta, max_query_len=batch, min_query_len=1)
-    timed("captured step today (both classes)", partial(
+    timed("both classes (a mixed graph's launch)", partial(
         ta.paged_attention, q, kc, vc, both_meta, scale, sliding_window=shape.window,
         sinks=sinks, out=out,
     ))  # fmt: skip
-    decode_cfg, prefill_cfg = ta._tile_configs(shape.heads // shape.kv_heads)
-    dmq = max(1, decode_cfg.block_m // (shape.heads // shape.kv_heads))
+    group = shape.heads // shape.kv_heads
+    decode_cfg, prefill_cfg = ta._tile_configs(group)
+    splits = ta._num_splits(batch, shape.kv_heads, q.device)
     timed("prefill class alone (no work)", partial(
         ta._launch_class, q, kc, vc, both_meta, scale, shape.window, out, prefill_cfg,
-        decode=False, decode_max_q=dmq, sinks=sinks,
+        decode=False, decode_max_q=ta.decode_max_q(decode_cfg.block_m, group, splits),
+        sinks=sinks,
     ))  # fmt: skip
     results = []
     for v in variants():

@@ -145,10 +145,14 @@ class StepGraphs:
     def bucket(self, num_tokens: int) -> int:
         return next(b for b in self.sizes if b >= num_tokens)
 
+    def _slot_per_token(self, size: int) -> bool:
+        """Whether every token of a step at ``size`` can have a sequence slot of its own."""
+        return size <= self.buffers[size].seqs
+
     def pads_per_token(self, plan: StepPlan | None, size: int) -> bool:
         """Whether ``plan`` at ``size`` pads with one-token sequences: a decode-only step
         whose real and padding tokens each fit a sequence slot of their own."""
-        return plan is not None and plan.decode_only and size <= self.buffers[size].seqs
+        return plan is not None and plan.decode_only and self._slot_per_token(size)
 
     # ------------------------------------------------------------------ inputs
     def _stage(self, plan: StepPlan | None, size: int) -> AttentionMetadata:
@@ -260,7 +264,7 @@ class StepGraphs:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[size] = graph
-                if 1 < size <= self.buffers[size].seqs:  # size 1's graph is decode-only
+                if size > 1 and self._slot_per_token(size):  # size 1's graph is decode-only
                     graph = torch.cuda.CUDAGraph()
                     meta = self._meta(size, max_query_len=1, min_query_len=1)
                     with torch.cuda.graph(graph, pool=self.pool):

@@ -624,6 +624,12 @@ def _tile_configs(group: int) -> tuple[TileConfig, TileConfig]:
     return decode, prefill
 
 
+def decode_max_q(block_m: int, group: int, num_splits: int) -> int:
+    """The longest query the decode class takes: one with key splits (their merge
+    handles single queries), else as many as a tile of ``block_m`` rows holds."""
+    return 1 if num_splits > 1 else max(1, block_m // group)
+
+
 def _block_table_stride(meta: AttentionMetadata) -> torch.Tensor:
     """The block tables' row stride as a device int32: a padded step's tables are packed
     at a per-step width, so captured graphs read the stride instead of freezing it."""
@@ -749,11 +755,11 @@ def _launch_attention(
     """Both classes with one explicit tile config (benchmarks sweep these; tests pin them)."""
     cfg = TileConfig(block_m, block_n, num_warps, num_stages)
     group = q.shape[1] // k_cache.shape[2]
-    decode_max_q = 1 if num_splits > 1 else max(1, block_m // group)
+    longest = decode_max_q(block_m, group, num_splits)
     for decode in (True, False):
         _launch_class(
             q, k_cache, v_cache, meta, scale, sliding_window, out, cfg,
-            decode=decode, decode_max_q=decode_max_q, num_splits=num_splits, sinks=sinks,
+            decode=decode, decode_max_q=longest, num_splits=num_splits, sinks=sinks,
         )  # fmt: skip
 
 
@@ -801,17 +807,17 @@ def paged_attention(
         raise ValueError(f"sinks of shape {tuple(sinks.shape)}, want ({num_heads},)")
     decode_cfg, prefill_cfg = _tile_configs(num_heads // num_kv_heads)
     splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, q.device)
-    decode_max_q = 1 if splits > 1 else decode_cfg.block_m // (num_heads // num_kv_heads)
+    longest = decode_max_q(decode_cfg.block_m, num_heads // num_kv_heads, splits)
     # Each class is launched only if the step may hold such a sequence; skipping
     # a class whose programs would all return changes nothing in the output.
-    if meta.min_query_len <= decode_max_q:
+    if meta.min_query_len <= longest:
         _launch_class(
             q, k_cache, v_cache, meta, scale, sliding_window, out, decode_cfg,
-            decode=True, decode_max_q=decode_max_q, num_splits=splits, sinks=sinks,
+            decode=True, decode_max_q=longest, num_splits=splits, sinks=sinks,
         )  # fmt: skip
-    if meta.max_query_len > decode_max_q:
+    if meta.max_query_len > longest:
         _launch_class(
             q, k_cache, v_cache, meta, scale, sliding_window, out, prefill_cfg,
-            decode=False, decode_max_q=decode_max_q, sinks=sinks,
+            decode=False, decode_max_q=longest, sinks=sinks,
         )  # fmt: skip
     return out
