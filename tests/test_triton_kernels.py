@@ -422,7 +422,9 @@ def test_fused_moe_gelu_tanh() -> None:
 
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "block_m"),
-    [(50, 16, 4, 16), (300, 128, 8, 64), (1, 64, 8, 16)],
+    # One planning program; eight with 11 chunks of rows (three programs label blocks);
+    # eight with 17 chunks (each marks two or three).
+    [(50, 16, 4, 16), (300, 128, 8, 64), (1, 64, 8, 16), (2048, 64, 8, 16)],
 )
 def test_align_routing(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
     gen = torch.Generator().manual_seed(7)

@@ -31,6 +31,11 @@ def padded_rows_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
+# The planning kernel's rows a store step, and at most how many programs share its work.
+_PLAN_CHUNK = 1024
+_PLAN_PROGRAMS = 8
+
+
 class AlignWork(NamedTuple):
     """An alignment's outputs and its per-expert cursor, carved from one int32 allocation,
     with the arguments the planning kernel (``_align_plan_kernel``) takes."""
@@ -84,6 +89,10 @@ class AlignWork(NamedTuple):
             "num_warps": 8,
         }
 
+    def plan_programs(self) -> int:
+        """Planning programs: one a chunk of rows to mark, up to ``_PLAN_PROGRAMS``."""
+        return max(1, min(_PLAN_PROGRAMS, triton.cdiv(self.sorted_pair_ids.numel(), _PLAN_CHUNK)))
+
     def aligned(self) -> AlignedRouting:
         return AlignedRouting(
             self.sorted_pair_ids, self.block_expert_ids, self.num_rows_padded, self.block_m
@@ -108,11 +117,14 @@ def _align_plan_kernel(
     CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """One program: count pairs per expert, lay out padded groups, label row blocks.
+    """Count pairs per expert, lay out padded groups, label row blocks.
 
-    Writes each expert's first padded row to ``cursor`` (the scatter kernel
-    bumps it per pair), every row block's expert (``num_experts`` past the
-    end), the used row count, and the padding marker into all rows.
+    Every program counts all pairs (at decode 2-8 K ids, cheaper than a second
+    launch to share the counts) and then does its share of the rest: every
+    ``num_programs``-th row block gets its expert (``num_experts`` past the
+    end), every ``num_programs``-th chunk of rows the padding marker.  Program
+    0 also writes each expert's first padded row to ``cursor`` (the scatter
+    kernel bumps it per pair) and the used row count.
     """
     offs = tl.arange(0, CHUNK)
     counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
@@ -123,17 +135,20 @@ def _align_plan_kernel(
         counts += tl.histogram(e, EXPERTS_P2, mask=ok)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    experts = tl.arange(0, EXPERTS_P2)
-    tl.store(cursor_ptr + experts, ends - padded, mask=experts < num_experts)
-    tl.store(num_rows_padded_ptr, tl.sum(padded, 0))
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    if pid == 0:
+        experts = tl.arange(0, EXPERTS_P2)
+        tl.store(cursor_ptr + experts, ends - padded, mask=experts < num_experts)
+        tl.store(num_rows_padded_ptr, tl.sum(padded, 0))
     offs_b = tl.arange(0, BLOCK_B)
-    for start in range(0, num_blocks, BLOCK_B):
+    for start in range(pid * BLOCK_B, num_blocks, programs * BLOCK_B):
         blk = start + offs_b
         # Expert of a block = how many groups end at or before its first row.
         owner = tl.sum((ends[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), 1)
         owner = tl.minimum(owner, num_experts)
         tl.store(block_expert_ids_ptr + blk, owner, mask=blk < num_blocks)
-    for start in range(0, num_rows, CHUNK):
+    for start in range(pid * CHUNK, num_rows, programs * CHUNK):
         idx = start + offs
         tl.store(
             sorted_pair_ids_ptr + idx, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=idx < num_rows
@@ -217,7 +232,9 @@ def align_routing(
         topk_weights = topk_weights.contiguous()
     num_pairs = ids.numel()
     work = AlignWork.allocate(ids, num_experts, block_m)
-    _align_plan_kernel[(1,)](*work.plan_args(), CHUNK=1024, **work.plan_meta())
+    _align_plan_kernel[(work.plan_programs(),)](
+        *work.plan_args(), CHUNK=_PLAN_CHUNK, **work.plan_meta()
+    )
     chunk = 256
     sorted_pair_ids = work.sorted_pair_ids
     _align_scatter_kernel[(triton.cdiv(num_pairs, chunk),)](
