@@ -375,17 +375,25 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    HEADS_FAST: tl.constexpr = False,
 ):
     """One (query tile, KV head[, key split]) of one class of sequences.
 
     Decode class (``q_len <= decode_max_q``): program ``i`` is sequence ``i``'s
     single tile.  Prefill class (longer queries): program ``i`` is flattened
     tile ``i`` (see ``_find_seq``).  Programs with nothing to do return at once,
-    so the grid depends on the step's padded shape alone.
+    so the grid depends on the step's padded shape alone.  ``HEADS_FAST``: the
+    grid's first axis is the KV head (and split), so a sequence's heads run
+    side by side and read neighbouring bytes of its cache blocks.
     """
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1) // NUM_SPLITS
-    split = tl.program_id(1) % NUM_SPLITS
+    if HEADS_FAST:
+        pid = tl.program_id(1)
+        head_split = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        head_split = tl.program_id(1)
+    kv_head = head_split // NUM_SPLITS
+    split = head_split % NUM_SPLITS
 
     if DECODE_CLASS:
         seq = pid
@@ -456,9 +464,11 @@ def _paged_attention_kernel(
             BLOCK_N, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, True, PRECISE_EXP,
         )  # fmt: skip
     # Keys up to the tile's first query position are visible to all its rows
-    # (without a window): whole BLOCK_N tiles of them skip the masking.
+    # (without a window): whole BLOCK_N tiles of them skip the masking.  Not in
+    # the decode class: its loop is a handful of tiles, where a second loop's
+    # pipeline start and drain cost more than the masking saves.
     full_hi = kv_lo
-    if not USE_WINDOW:
+    if not USE_WINDOW and not DECODE_CLASS:
         full = tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0)
         full_hi = kv_lo + full // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend(
@@ -581,6 +591,7 @@ def _combine_kernel(
 
 
 _SM_COUNT: dict[int, int] = {}
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def _num_sms(device: torch.device) -> int:
@@ -665,7 +676,8 @@ def _launch_class(
     num_seqs = meta.seq_lens.shape[0]
     splits = num_splits if decode else 1
     programs = num_seqs if decode else num_tokens // block_q + num_seqs
-    grid = (programs, num_kv_heads * splits)
+    heads_fast = decode and programs <= _MAX_GRID_Y
+    grid = (num_kv_heads * splits, programs) if heads_fast else (programs, num_kv_heads * splits)
     use_window = sliding_window is not None and sliding_window > 0
     if splits > 1:
         part_acc = torch.empty(
@@ -717,6 +729,7 @@ def _launch_class(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SINKS=sinks is not None,
         PRECISE_EXP=q.is_cuda,
+        HEADS_FAST=heads_fast,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
