@@ -204,9 +204,26 @@ def _variants_file(hf_config: dict, dtype, config, device, max_model_len: int) -
         "capability": torch.cuda.get_device_capability(device),
         "triton": triton.__version__,
         "moetrace": __version__,
+        "kernels": _kernel_sources_digest(),
     }
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
     return os.path.join(triton.knobs.cache.dir, "moetrace-variants", f"{digest[:32]}.json")
+
+
+def _kernel_sources_digest(folder: str | None = None) -> str:
+    """A digest of the Triton kernels' sources (``moetrace/kernels`` unless ``folder``): a
+    kernel that gains or loses a compile-time argument launches other variants, so a list
+    recorded before the change is stale."""
+    if folder is None:
+        import moetrace.kernels
+
+        folder = os.path.dirname(moetrace.kernels.__file__)
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
 
 
 def _read_variants(path: str) -> dict | None:
