@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from graph_replay import graphed
 from triton.testing import do_bench
 
 # name: (K, N) of the weight [N, K]
@@ -44,15 +45,6 @@ def _linear_kernel(a, w, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.
         acc = tl.dot(x, y, acc)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(c + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=mask)
-
-
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> None:

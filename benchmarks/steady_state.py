@@ -4,11 +4,13 @@
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
-``attention``: decode attention at batch 256 (contexts 320 and 1024), chained
-and, beside it, one graph replay timed by ``do_bench`` (what
-``attention_tiles.py`` reports), to show what the single replay adds.
-``gemms``: the decode step's projection GEMMs at M=256 under each BLAS library
-torch offers (``torch.backends.cuda.preferred_blas_library``).
+``attention``: decode attention at batch 256 (contexts 320 and 1024) on
+``attention_tiles.py``'s shapes, chained and, beside it, one graph replay timed
+by ``do_bench`` (what ``attention_tiles.py`` reports), to show what the single
+replay adds.
+``gemms``: the decode step's projection GEMMs at M=256 (``projection_gemms.py``'s
+shapes) under each BLAS library torch offers
+(``torch.backends.cuda.preferred_blas_library``).
 
 Times are µs a call from ``graph_replay.chained_us``: each chain rotates its
 inputs through more bytes than the L2 holds, so every call reads from HBM as
@@ -20,14 +22,14 @@ from __future__ import annotations
 import sys
 from functools import partial
 
+import attention_tiles
 import graph_replay
+import projection_gemms
 import torch
 import torch.nn.functional as F
-from kernels import bench, graphed, paged_batch  # benchmarks/kernels.py
+from kernels import bench, graphed  # benchmarks/kernels.py
 
 from moetrace.kernels import triton_align, triton_attention
-
-HBM_GBS = 4290.0  # the H200's measured copy bandwidth (benchmarks/throughput.py prints it)
 
 
 def align() -> None:
@@ -40,61 +42,46 @@ def align() -> None:
             picks = [torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]
             ids = torch.stack(picks).to(torch.int32)
             row = []
-            for programs in (1, 4, 8, 16):
-                triton_align._PLAN_PROGRAMS = programs
-                calls = [partial(triton_align.align_routing, ids, experts, block_m)] * 24
-                row.append(f"{programs:2d} programs {graph_replay.chained_us(calls):6.1f}")
+            default = triton_align._PLAN_PROGRAMS
+            try:
+                for programs in (1, 4, 8, 16):
+                    triton_align._PLAN_PROGRAMS = programs
+                    calls = [partial(triton_align.align_routing, ids, experts, block_m)] * 24
+                    row.append(f"{programs:2d} programs {graph_replay.chained_us(calls):6.1f}")
+            finally:
+                triton_align._PLAN_PROGRAMS = default
             print(f"align {name:17s} T={tokens:<5d} " + "  ".join(row), flush=True)
-    triton_align._PLAN_PROGRAMS = 8
 
 
 def attention() -> None:
-    shapes = {  # q heads, kv heads, head dim, sinks, window
-        "qwen3-30b-a3b": (32, 4, 128, False, None),
-        "olmoe-1b-7b": (16, 16, 128, False, None),
-        "gpt-oss-20b full": (64, 8, 64, True, None),
-        "gpt-oss-20b window": (64, 8, 64, True, 128),
-    }
-    for name, (heads, kv_heads, dim, with_sinks, window) in shapes.items():
+    for name, shape in attention_tiles.SHAPES.items():
         for ctx in (320, 1024):
-            torch.manual_seed(0)
-            kv_bytes = 2 * 256 * min(ctx, window or ctx) * kv_heads * dim * 2
+            kv_bytes = 2 * 256 * min(ctx, shape.window or ctx) * shape.kv_heads * shape.dim * 2
             copies = max(1, -(-150_000_000 // kv_bytes))  # together past the L2
-            batches = [
-                paged_batch([1] * 256, [ctx] * 256, heads, kv_heads, dim) for _ in range(copies)
-            ]
-            sinks = torch.randn(heads, device="cuda").to(torch.bfloat16) if with_sinks else None
+            batches = [attention_tiles.build(shape, 256, ctx) for _ in range(copies)]
             calls = []
             for i in range(max(8, copies)):
-                q, kc, vc, meta = batches[i % copies]
+                q, kc, vc, meta, sinks = batches[i % copies]
                 calls.append(partial(
-                    triton_attention.paged_attention, q, kc, vc, meta, dim**-0.5,
-                    sliding_window=window, sinks=sinks, out=torch.empty_like(q),
+                    triton_attention.paged_attention, q, kc, vc, meta, shape.dim**-0.5,
+                    sliding_window=shape.window, sinks=sinks, out=torch.empty_like(q),
                 ))  # fmt: skip
             chained = graph_replay.chained_us(calls)
             single = bench(graphed(calls[0])) * 1e3
-            bound = kv_bytes / HBM_GBS / 1e3
+            bound = kv_bytes / projection_gemms.HBM_BYTES_S * 1e6
             print(
-                f"attention {name:19s} ctx {ctx:4d}: chained {chained:6.1f} us ({chained / bound:.2f}x"
+                f"attention {name:15s} ctx {ctx:4d}: chained {chained:6.1f} us ({chained / bound:.2f}x"
                 f" of {bound:.1f}), one replay by do_bench {single:6.1f} us",
                 flush=True,
             )
 
 
 def gemms() -> None:
-    shapes = {  # K, N of the weight, at M=256
-        "qwen3-30b-a3b q/k/v": (2048, 5120),
-        "qwen3-30b-a3b o": (4096, 2048),
-        "qwen3-30b-a3b router": (2048, 128),
-        "olmoe-1b-7b q/k/v": (2048, 6144),
-        "olmoe-1b-7b o": (2048, 2048),
-        "olmoe-1b-7b router": (2048, 64),
-    }
-    for name, (k, n) in shapes.items():
+    for name, (k, n) in projection_gemms.SHAPES.items():
         copies = int(200e6 // (k * n * 2)) + 2
         weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-        x = torch.randn(256, k, device="cuda").to(torch.bfloat16)
-        row = [f"{name:21s} bytes {k * n * 2 / HBM_GBS / 1e3:5.1f} us"]
+        x = torch.randn(projection_gemms.TOKENS, k, device="cuda").to(torch.bfloat16)
+        row = [f"{name:12s} bytes {k * n * 2 / projection_gemms.HBM_BYTES_S * 1e6:5.1f} us"]
         for library in ("default", "cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(library)
             calls = [partial(F.linear, x, weights[i % copies]) for i in range(24)]
