@@ -57,7 +57,9 @@ def compile_h200(fn, constants: dict, **options):
     return triton.compile(source, target=H200, options=options)
 
 
-TILE = dict(FAST=True, PRECISION="tf32", BLOCK_M=64, BLOCK_K=128, GROUP_M=8, EVEN_K=False)
+TILE = dict(
+    FAST=True, PRECISION="tf32", BLOCK_M=64, BLOCK_K=128, GROUP_M=8, EVEN_K=False, FULL_STEP=True
+)
 KERNELS = {
     "gate_up": (
         triton_moe._gate_up_fragment_kernel,
@@ -65,6 +67,13 @@ KERNELS = {
     ),
     "down": (triton_moe._down_fragment_kernel, dict(HAS_BIAS=True, BLOCK_N=128, **TILE)),
 }
+
+
+def tool(name: str) -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        pytest.skip(f"this Triton has no {name}")
+    return path
 
 
 def main_loop(ttgir: str) -> str:
@@ -75,14 +84,13 @@ def main_loop(ttgir: str) -> str:
 
 def sass_loop(compiled) -> list[str]:
     """Opcodes of the longest backward-branch range of the SASS: the K loop."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        pytest.skip("this Triton has no cuobjdump")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetrace-{os.getpid()}.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
     try:
-        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+        text = subprocess.run(
+            [tool("cuobjdump"), "-sass", path], capture_output=True, text=True
+        ).stdout
     finally:
         os.unlink(path)
     ins = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
@@ -131,3 +139,31 @@ def test_the_fast_decoder_is_the_ptx_block(compiled):
     ptx = compiled.asm["ptx"]
     assert "mul.rn.bf16x2" in ptx
     assert ptx.count("and.b32") >= 4
+
+
+def ptxas_notes(compiled) -> str:
+    """What ptxas says (``-v``) compiling the kernel's PTX for the H200."""
+    base = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetrace-{os.getpid()}")
+    with open(base + ".ptx", "w") as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        args = [tool("ptxas"), "--gpu-name", "sm_90a", "-v", base + ".ptx", "-o", base + ".o"]
+        return subprocess.run(args, capture_output=True, text=True, check=True).stderr
+    finally:
+        for ext in (".ptx", ".o"):
+            if os.path.exists(base + ext):
+                os.unlink(base + ext)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("block_m", [32, 64])  # the decode tile's token block, and the test's
+def test_products_stay_in_flight_while_the_next_words_decode(name, block_m):
+    """ptxas must not serialize the loop's asynchronous products (its note C7515): each
+    would then wait for the last to finish, and no decoding would overlap the tensor cores."""
+    fn, constants = KERNELS[name]
+    compiled = compile_h200(fn, {**constants, "BLOCK_M": block_m}, num_warps=4, num_stages=3)
+    assert "C7515" not in ptxas_notes(compiled)
+    ops = sass_loop(compiled)
+    products = sum(o.startswith("HGMMA") for o in ops)
+    waits = sum(o.startswith("WARPGROUP.DEPBAR") for o in ops)
+    assert products and waits < products, (products, waits)

@@ -414,6 +414,7 @@ def _gate_up_fragment_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FULL_STEP: tl.constexpr = False,
 ):
     """``h[row] = act(gate) * up`` for BLOCK_N channels, the weights as the left operand.
 
@@ -436,6 +437,8 @@ def _gate_up_fragment_kernel(
     x_ptrs = x_ptr + tok[None, :] * stride_xt + tl.arange(0, BLOCK_K)[:, None]  # x.T
     acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_full = hidden // BLOCK_K * BLOCK_K
+    if FULL_STEP:
+        tl.assume(k_full >= BLOCK_K)  # see _down_fragment_kernel
     for k0 in range(0, k_full, BLOCK_K):
         acc = _fragment_step(
             acc, w_base, s_base, x_ptrs, w_rows, row_ok, k0, hidden, stride_wn, stride_sc,
@@ -498,6 +501,7 @@ def _down_fragment_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FULL_STEP: tl.constexpr = False,
 ):
     """``y[pair] = weight[pair] * w2[e] @ h[row]`` for BLOCK_N channels of ``hidden``,
     as ``acc [BLOCK_N, BLOCK_M] = w2[e, channels] @ h[rows].T``."""
@@ -517,6 +521,12 @@ def _down_fragment_kernel(
     h_rows = h_ptr + rows[None, :].to(tl.int64) * stride_ht + tl.arange(0, BLOCK_K)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_full = inter // BLOCK_K * BLOCK_K
+    if FULL_STEP:
+        # With a path that skips the K loop, the accumulator reaching the loop's end may
+        # come from a plain move, and ptxas then waits for every tensor-core product before
+        # the next is issued (its note C7515): no decoding overlaps a product.  Known to
+        # run the loop at least once, the products stay in flight, up to 7 groups.
+        tl.assume(k_full >= BLOCK_K)
     for k0 in range(0, k_full, BLOCK_K):
         acc = _fragment_step(
             acc, w_base, s_base, h_rows, w_rows, row_ok, k0, inter, stride_wn, stride_sc,
@@ -942,7 +952,8 @@ def _fragment_gemms(
         s13.stride(0), s13.stride(1),
         extras.swiglu_alpha, extras.swiglu_limit,
         TOP_K=num_pairs // num_tokens, ACTIVATION=activation, HAS_BIAS=extras.b13 is not None,
-        BLOCK_N=channels, EVEN_K=hidden_size % cfg.block_k == 0, **common,
+        BLOCK_N=channels, EVEN_K=hidden_size % cfg.block_k == 0,
+        FULL_STEP=hidden_size >= cfg.block_k, **common,
     )  # fmt: skip
     _down_fragment_kernel[(num_m_blocks * triton.cdiv(hidden_size, cfg.block_n),)](
         h, w2, y, b2, s2, weights,
@@ -951,7 +962,7 @@ def _fragment_gemms(
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0),
         s2.stride(0), s2.stride(1),
         HAS_BIAS=extras.b2 is not None, BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0,
-        **common,
+        FULL_STEP=inter >= cfg.block_k, **common,
     )  # fmt: skip
 
 
