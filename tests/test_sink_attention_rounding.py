@@ -195,3 +195,15 @@ def test_split_k_decode_lands_on_the_reference_rounding(window):
         got = step.kernel(window, splits)
         assert same(got, want) > 0.995, (splits, same(got, want))
         assert_close_where_differing(got, want)
+
+
+def test_window_decode_in_one_tile_and_in_three_passes():
+    """A window layer's single-query rows see at most ``window`` keys: one tile holds them
+    and the kernel rounds from it.  Two- and three-query rows of the same step see more
+    and take the three passes; both land on the reference."""
+    window = 16
+    step = Step([1, 2, 1, 3, 1], [5, 30, 16, 41, 61], seed=6)
+    want = step.emulate(window)
+    got = step.kernel(window, splits=1)
+    assert same(got, want) > 0.995, same(got, want)
+    assert_close_where_differing(got, want)

@@ -156,6 +156,16 @@ def store_kv(
 
 
 @triton.jit
+def _mask_hidden(s, j, j_ok, pos, window, USE_WINDOW: tl.constexpr):
+    """Scores ``s [rows, keys]`` with -inf where key ``j`` is hidden from the row at ``pos``:
+    past it, out of range, or (``USE_WINDOW``) ``window`` or more positions back."""
+    visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
+    if USE_WINDOW:
+        visible = visible & (pos[:, None] - j[None, :] < window)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
 def _attend(
     q,
     acc,
@@ -212,10 +222,7 @@ def _attend(
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * score_scale
         if MASKED:
-            visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
-            if USE_WINDOW:
-                visible = visible & (pos[:, None] - j[None, :] < window)
-            s = tl.where(visible, s, float("-inf"))
+            s = _mask_hidden(s, j, j_ok, pos, window, USE_WINDOW)
         if EAGER_ROUNDING:
             e = _exp(round_to(s - m_i[:, None], q.dtype), PRECISE_EXP)
             p = tl.div_rn(e, l_i[:, None])  # IEEE division, as torch's softmax divides
@@ -323,15 +330,88 @@ def _row_pass(
             k_cache_ptr + k_off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
         )
         s = _eager_scores(q, k, scale, DOT_PRECISION)
-        visible = (j[None, :] <= pos[:, None]) & j_ok[None, :]
-        if USE_WINDOW:
-            visible = visible & (pos[:, None] - j[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
+        s = _mask_hidden(s, j, j_ok, pos, window, USE_WINDOW)
         if SUM:
             out = out + tl.sum(_exp(round_to(s - m[:, None], q.dtype), PRECISE_EXP), 1)
         else:
             out = tl.maximum(out, tl.max(s, 1))
     return out
+
+
+@triton.jit
+def _sink_tile(
+    q, sink, lo, hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window, scale, d, d_ok,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, ONE_TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):  # fmt: skip
+    """Attention with sinks when a row's visible keys [lo, hi) fit one tile of ``ONE_TILE``.
+
+    Rounds as ``_row_pass`` and ``_attend(EAGER_ROUNDING)`` do, but the scores
+    stay in registers: the row max, the sum and the probabilities come from
+    one read of K, not three (a sliding-window layer's decode, whose window
+    bounds its keys).  Returns the probability-weighted values.
+    """
+    j = lo + tl.arange(0, ONE_TILE)
+    j_ok = j < hi
+    blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+    in_blk = j % BLOCK_SIZE
+    kv_mask = j_ok[:, None] & d_ok[None, :]
+    k_off = blk * stride_kb + in_blk * stride_ks + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = _eager_scores(q, k, scale, DOT_PRECISION)
+    s = _mask_hidden(s, j, j_ok, pos, window, USE_WINDOW)
+    m = tl.maximum(sink, tl.max(s, 1))
+    e = _exp(round_to(s - m[:, None], q.dtype), PRECISE_EXP)
+    total = _exp(round_to(sink - m, q.dtype), PRECISE_EXP) + tl.sum(e, 1)
+    p = tl.div_rn(e, total[:, None])  # IEEE division, as torch's softmax divides
+    v_off = blk * stride_vb + in_blk * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _passes(
+    q, acc, m_i, l_i, sink, row_lo, row_hi, kv_lo, kv_hi, first_pos, pos, k_cache_ptr,
+    v_cache_ptr, bt_row, kv_head, window, score_scale, d, d_ok, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PRECISE_EXP: tl.constexpr, DECODE_CLASS: tl.constexpr,
+):  # fmt: skip
+    """The key loops: with sinks, each row's max and sum first (``_row_pass``), then
+    ``_attend`` over [kv_lo, kv_hi); without, ``_attend``'s online softmax alone."""
+    if HAS_SINKS:
+        m_i = _row_pass(
+            q, sink, row_lo, row_hi, pos, k_cache_ptr, bt_row, kv_head, window, score_scale,
+            d, d_ok, stride_kb, stride_ks, stride_kh,
+            BLOCK_N, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, False, PRECISE_EXP,
+        )  # fmt: skip
+        l_i = _exp(round_to(sink - m_i, q.dtype), PRECISE_EXP) + _row_pass(
+            q, m_i, row_lo, row_hi, pos, k_cache_ptr, bt_row, kv_head, window, score_scale,
+            d, d_ok, stride_kb, stride_ks, stride_kh,
+            BLOCK_N, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, True, PRECISE_EXP,
+        )  # fmt: skip
+    # Keys up to the tile's first query position are visible to all its rows
+    # (without a window): whole BLOCK_N tiles of them skip the masking.  Not in
+    # the decode class: its loop is a handful of tiles, where a second loop's
+    # pipeline start and drain cost more than the masking saves.
+    full_hi = kv_lo
+    if not USE_WINDOW and not DECODE_CLASS:
+        full = tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0)
+        full_hi = kv_lo + full // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend(
+        q, acc, m_i, l_i, kv_lo, full_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head,
+        window, score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION, HAS_SINKS,
+        PRECISE_EXP,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend(
+        q, acc, m_i, l_i, full_hi, kv_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head,
+        window, score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION, HAS_SINKS,
+        PRECISE_EXP,
+    )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["num_seqs", "decode_max_q"])
@@ -376,6 +456,7 @@ def _paged_attention_kernel(
     HAS_SINKS: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     HEADS_FAST: tl.constexpr = False,
+    ONE_TILE: tl.constexpr = 0,
 ):
     """One (query tile, KV head[, key split]) of one class of sequences.
 
@@ -453,84 +534,29 @@ def _paged_attention_kernel(
         # (gpt-oss).  Every split finds the whole row's max and denominator,
         # sink included, so all weight their keys by the same probabilities.
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        m_i = _row_pass(
-            q, sink, row_lo, row_hi, pos, k_cache_ptr, bt_row, kv_head, window, score_scale,
-            d, d_ok, stride_kb, stride_ks, stride_kh,
-            BLOCK_N, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, False, PRECISE_EXP,
+    else:
+        sink = m_i  # unused
+    if ONE_TILE > 0:  # sinks, decode tiles, no key splits: see _launch_class
+        if row_hi - row_lo <= ONE_TILE:
+            acc = _sink_tile(
+                q, sink, row_lo, row_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window,
+                score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, ONE_TILE, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, PRECISE_EXP,
+            )  # fmt: skip
+        else:
+            acc, m_i, l_i = _passes(
+                q, acc, m_i, l_i, sink, row_lo, row_hi, kv_lo, kv_hi, first_pos, pos,
+                k_cache_ptr, v_cache_ptr, bt_row, kv_head, window, score_scale, d, d_ok,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N,
+                BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, HAS_SINKS, PRECISE_EXP, DECODE_CLASS,
+            )  # fmt: skip
+    else:
+        acc, m_i, l_i = _passes(
+            q, acc, m_i, l_i, sink, row_lo, row_hi, kv_lo, kv_hi, first_pos, pos,
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, window, score_scale, d, d_ok,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N,
+            BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, HAS_SINKS, PRECISE_EXP, DECODE_CLASS,
         )  # fmt: skip
-        l_i = _exp(round_to(sink - m_i, q.dtype), PRECISE_EXP) + _row_pass(
-            q, m_i, row_lo, row_hi, pos, k_cache_ptr, bt_row, kv_head, window, score_scale,
-            d, d_ok, stride_kb, stride_ks, stride_kh,
-            BLOCK_N, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, True, PRECISE_EXP,
-        )  # fmt: skip
-    # Keys up to the tile's first query position are visible to all its rows
-    # (without a window): whole BLOCK_N tiles of them skip the masking.  Not in
-    # the decode class: its loop is a handful of tiles, where a second loop's
-    # pipeline start and drain cost more than the masking saves.
-    full_hi = kv_lo
-    if not USE_WINDOW and not DECODE_CLASS:
-        full = tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0)
-        full_hi = kv_lo + full // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _attend(
-        q,
-        acc,
-        m_i,
-        l_i,
-        kv_lo,
-        full_hi,
-        pos,
-        k_cache_ptr,
-        v_cache_ptr,
-        bt_row,
-        kv_head,
-        window,
-        score_scale,
-        d,
-        d_ok,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        stride_vb,
-        stride_vs,
-        stride_vh,
-        BLOCK_N,
-        BLOCK_SIZE,
-        False,
-        USE_WINDOW,
-        DOT_PRECISION,
-        HAS_SINKS,
-        PRECISE_EXP,
-    )
-    acc, m_i, l_i = _attend(
-        q,
-        acc,
-        m_i,
-        l_i,
-        full_hi,
-        kv_hi,
-        pos,
-        k_cache_ptr,
-        v_cache_ptr,
-        bt_row,
-        kv_head,
-        window,
-        score_scale,
-        d,
-        d_ok,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        stride_vb,
-        stride_vs,
-        stride_vh,
-        BLOCK_N,
-        BLOCK_SIZE,
-        True,
-        USE_WINDOW,
-        DOT_PRECISION,
-        HAS_SINKS,
-        PRECISE_EXP,
-    )
     if HAS_SINKS:
         # acc holds the probability-weighted values already: divide by 1, and
         # let the split-K merge add the shares (equal m; the first counts l = 1).
@@ -679,6 +705,11 @@ def _launch_class(
     heads_fast = decode and programs <= _MAX_GRID_Y
     grid = (num_kv_heads * splits, programs) if heads_fast else (programs, num_kv_heads * splits)
     use_window = sliding_window is not None and sliding_window > 0
+    # A window layer's decode rows see at most `window` keys: with sinks, one tile that
+    # holds them all replaces the three passes (H200, gpt-oss-20b: docs/benchmarks.md).
+    one_tile = 0
+    if sinks is not None and decode and splits == 1 and use_window and sliding_window <= 128:
+        one_tile = max(16, triton.next_power_of_2(int(sliding_window)))
     if splits > 1:
         part_acc = torch.empty(
             (num_seqs, num_heads, splits, block_d), dtype=torch.float32, device=q.device
@@ -730,6 +761,7 @@ def _launch_class(
         HAS_SINKS=sinks is not None,
         PRECISE_EXP=q.is_cuda,
         HEADS_FAST=heads_fast,
+        ONE_TILE=one_tile,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -799,7 +831,9 @@ def paged_attention(
     row max (sink included) subtracted and rounded before ``exp``, each
     probability divided by the row's sum and rounded before it weights its
     value.  That takes two passes over the keys (each row's max, then its
-    sum) before the one that reads the values.
+    sum) before the one that reads the values, except for a sliding-window
+    layer's single-query rows (decode), whose at most ``window`` keys fit one
+    tile that serves all three (``_sink_tile``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
