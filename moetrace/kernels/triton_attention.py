@@ -536,19 +536,14 @@ def _paged_attention_kernel(
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
     else:
         sink = m_i  # unused
-    if ONE_TILE > 0:  # sinks, decode tiles, no key splits: see _launch_class
-        if row_hi - row_lo <= ONE_TILE:
+    # ONE_TILE > 0 (sinks, decode tiles, no key splits: see _launch_class): rows whose
+    # visible keys fit one tile take it; the others, and every row without, the passes.
+    if (row_hi - row_lo <= ONE_TILE) & (ONE_TILE > 0):
+        if ONE_TILE > 0:
             acc = _sink_tile(
                 q, sink, row_lo, row_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window,
                 score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                 stride_vh, ONE_TILE, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, PRECISE_EXP,
-            )  # fmt: skip
-        else:
-            acc, m_i, l_i = _passes(
-                q, acc, m_i, l_i, sink, row_lo, row_hi, kv_lo, kv_hi, first_pos, pos,
-                k_cache_ptr, v_cache_ptr, bt_row, kv_head, window, score_scale, d, d_ok,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N,
-                BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, HAS_SINKS, PRECISE_EXP, DECODE_CLASS,
             )  # fmt: skip
     else:
         acc, m_i, l_i = _passes(
