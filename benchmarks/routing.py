@@ -5,8 +5,8 @@ Columns (each a CUDA-graph replay, median of ``triton.testing.do_bench``, µs a 
 - ``torch``: what a decode step runs by default, the float32 softmax, ``topk``
   (+ renormalisation, scaling), the weights' cast and ``align_routing`` (its
   counting program and its atomic scatter, which writes the capture);
-- ``fused``: ``route_and_align``, the routing kernel (capture written there)
-  and ``align_routing``;
+- ``fused``: ``route_and_align``, one launch of the routing kernel (capture
+  written there, the pairs grouped by expert), its counters kept as a layer keeps them;
 - ``gain``: ``torch`` minus ``fused``, times the model's MoE layers (a decode step's gain).
 
 ``--sweep`` also times the routing kernel alone at every (rows a program, warps)
@@ -25,7 +25,7 @@ from kernels import DEV, SMOKE, bench, graphed  # benchmarks/kernels.py
 
 from moetrace.kernels import triton_moe as tm
 from moetrace.kernels.triton_align import align_routing
-from moetrace.kernels.triton_routing import launch_shape, route, route_and_align
+from moetrace.kernels.triton_routing import grouping_work, launch_shape, route, route_and_align
 from moetrace.layers.moe import softmax_topk
 
 # name: (experts, top_k, renormalize, scaling, logits dtype, weights dtype, MoE layers)
@@ -44,7 +44,11 @@ def torch_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, ca
     return align_routing(ids, experts, block_m, cap, topk_weights=weights, capture_weights=cap_w)
 
 
+_WORK: dict[int, torch.Tensor] = {}  # a layer's counters, one per expert count
+
+
 def fused_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, cap, cap_w):
+    work = _WORK.setdefault(experts, grouping_work(experts, logits.device))
     return route_and_align(
         logits,
         top_k,
@@ -55,6 +59,7 @@ def fused_path(logits, experts, top_k, renormalize, scaling, wdtype, block_m, ca
         weights_dtype=wdtype,
         capture=cap,
         capture_weights=cap_w,
+        work=work,
     )
 
 

@@ -26,7 +26,11 @@ from routing_cases import (  # noqa: E402
 from triton_helpers import DEVICE, KERNEL_TEST_MARKS  # noqa: E402
 
 from moetrace.kernels.triton_align import align_routing_torch  # noqa: E402
-from moetrace.kernels.triton_routing import route, route_and_align  # noqa: E402
+from moetrace.kernels.triton_routing import (  # noqa: E402
+    grouping_work,
+    route,
+    route_and_align,
+)
 
 pytestmark = KERNEL_TEST_MARKS
 MAX_ULPS = 8  # numpy's float32 exp against torch's CPU exp (Sleef), through the renormalisation
@@ -117,9 +121,59 @@ def test_capture_views_receive_ids_and_weights_in_their_dtypes():
         route(logits, 4, "softmax_topk", capture=ids_buf[:8, 1])
 
 
-def test_route_and_align_hands_the_experts_a_layout_for_their_tiles():
-    logits = tricky_logits(7, 64, 2, bf16=True).to(DEVICE)
-    fused = route_and_align(logits, 8, "softmax_topk", 32, weights_dtype=torch.bfloat16)
-    want = align_routing_torch(fused.ids.long(), 64, 32)
-    assert fused.aligned.block_m == 32
-    assert int(fused.aligned.num_rows_padded.item()) == int(want.num_rows_padded.item())
+def table_groups(aligned) -> list[tuple[int, list[int]]]:
+    """(expert, pairs) of each row block in use of a table-layout ``AlignedRouting``."""
+    used = int(aligned.num_rows_padded.item()) // aligned.block_m
+    table = aligned.sorted_pair_ids.cpu()
+    groups = []
+    for b in range(used):
+        first, rows = int(aligned.block_slots[b]), int(aligned.block_rows[b])
+        assert 1 <= rows <= aligned.block_m
+        groups.append((int(aligned.block_expert_ids[b]), table[first : first + rows].tolist()))
+    return groups
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "block_m"), [(7, 64, 32), (256, 60, 16)])
+def test_route_and_align_groups_every_pair_once_in_expert_order(num_tokens, num_experts, block_m):
+    """Each row block holds pairs of its expert only, experts in order, each pair once; the
+    padded row count is the sorted layout's; the counters come back zeroed for the next call."""
+    work = grouping_work(num_experts, torch.device(DEVICE))
+    for seed in (2, 3):  # the second call reuses the counters the first left
+        logits = tricky_logits(num_tokens, num_experts, seed, bf16=True).to(DEVICE)
+        fused = route_and_align(
+            logits, 8, "softmax_topk", block_m, weights_dtype=torch.bfloat16, work=work
+        )
+        assert fused.aligned.is_table and fused.aligned.block_m == block_m
+        assert not work.any()
+        ids = fused.ids.cpu().reshape(-1)
+        groups = table_groups(fused.aligned)
+        experts = [e for e, _ in groups]
+        assert experts == sorted(experts)
+        pairs = sorted(p for _, group in groups for p in group)
+        assert pairs == list(range(ids.numel()))
+        for expert, group in groups:
+            assert (ids[group] == expert).all()
+        want = align_routing_torch(fused.ids.long(), num_experts, block_m)
+        assert int(fused.aligned.num_rows_padded) == int(want.num_rows_padded)
+        assert experts == want.block_expert_ids[: len(experts)].tolist()
+
+
+def test_experts_give_the_same_output_from_either_layout():
+    """The GEMMs read a table-layout routing (fused kernel) as they read the sorted one."""
+    from moetrace.kernels.triton_moe import fused_moe, fused_moe_with_config, moe_config
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, experts, hidden, inter = 33, 8, 64, 32
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / 8).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / 6).to(torch.bfloat16)
+    w13, w2 = w13.to(DEVICE), w2.to(DEVICE)
+    logits = tricky_logits(tokens, experts, 9, bf16=True).to(DEVICE)
+    cfg = moe_config(tokens, 2, experts)
+    fused = route_and_align(logits, 2, "softmax_topk", cfg.block_m, weights_dtype=torch.bfloat16)
+    sorted_out = fused_moe(x, w13, w2, fused.weights, fused.ids)
+    table_out = fused_moe_with_config(
+        x, w13, w2, fused.weights, fused.ids, cfg,
+        aligned=fused.aligned, weights_f32=fused.weights_f32,
+    )  # fmt: skip
+    assert torch.equal(table_out, sorted_out)

@@ -17,12 +17,47 @@ import triton.language as tl
 
 
 class AlignedRouting(NamedTuple):
-    """Pairs grouped by expert, each expert's group padded to ``block_m`` rows."""
+    """Pairs grouped by expert, each expert's group padded to ``block_m`` rows.
+
+    Two layouts.  Sorted (``align_routing``): row ``r`` of the GEMMs holds pair
+    ``sorted_pair_ids[r]``, ``num_pairs`` marking padding.  Table (the fused
+    routing kernel, ``kernels/triton_routing.py``): ``sorted_pair_ids`` is a
+    ``[E, T]`` table, expert ``e``'s pairs in its row, and row block ``b``
+    holds the ``block_rows[b]`` pairs from slot ``block_slots[b]`` on.
+    """
 
     sorted_pair_ids: torch.Tensor  # int32 [P]: pair index t*k+j, or num_pairs for padding
     block_expert_ids: torch.Tensor  # int32 [P // block_m]: expert of each row block
     num_rows_padded: torch.Tensor  # int32 [1]: rows in use (the rest of P is unused)
     block_m: int
+    block_slots: torch.Tensor | None = None  # int32 [P // block_m], table layout only
+    block_rows: torch.Tensor | None = None  # int32 [P // block_m], table layout only
+
+    @property
+    def num_blocks(self) -> int:
+        """Row blocks the GEMMs launch for (those past ``num_rows_padded`` return at once)."""
+        return self.block_expert_ids.numel()
+
+    @property
+    def is_table(self) -> bool:
+        return self.block_slots is not None
+
+    @classmethod
+    def table_for(
+        cls, num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device
+    ) -> AlignedRouting:
+        """Uninitialised table-layout buffers for ``num_tokens`` tokens' pairs, one allocation."""
+        blocks = padded_rows_bound(num_tokens * top_k, num_experts, block_m) // block_m
+        table = num_experts * num_tokens
+        work = torch.empty(table + 3 * blocks + 1, dtype=torch.int32, device=device)
+        return cls(
+            work[:table],
+            work[table : table + blocks],
+            work[-1:],
+            block_m,
+            work[table + blocks : table + 2 * blocks],
+            work[table + 2 * blocks : table + 3 * blocks],
+        )
 
 
 def padded_rows_bound(num_pairs: int, num_experts: int, block_m: int) -> int:

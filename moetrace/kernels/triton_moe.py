@@ -61,6 +61,28 @@ def _tile_ids(pid, num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block_pairs(
+    pid_m,
+    sorted_pair_ids_ptr,
+    block_slots_ptr,
+    block_rows_ptr,
+    num_pairs,
+    BLOCK_M: tl.constexpr,
+    PAIR_TABLE: tl.constexpr,
+):
+    """The pair in each row of row block ``pid_m`` (``num_pairs``: padding), in either of
+    ``AlignedRouting``'s layouts (``PAIR_TABLE``: the table)."""
+    offs = tl.arange(0, BLOCK_M)
+    if PAIR_TABLE:
+        first = tl.load(block_slots_ptr + pid_m)
+        used = tl.load(block_rows_ptr + pid_m)
+        pair = tl.load(sorted_pair_ids_ptr + first + offs, mask=offs < used, other=num_pairs)
+    else:
+        pair = tl.load(sorted_pair_ids_ptr + pid_m * BLOCK_M + offs)
+    return pair
+
+
+@triton.jit
 def _mxfp4_values(blocks, scales, DTYPE: tl.constexpr):
     """MXFP4 ``blocks [BK/2, BN]`` (uint8, two e2m1 codes a byte, low nibble first along K)
     and e8m0 ``scales [BN, BK/32]`` to ``[BK, BN]`` values in ``DTYPE``, exactly.
@@ -163,6 +185,8 @@ def _gate_up_kernel(
     sorted_pair_ids_ptr,
     block_expert_ids_ptr,
     num_rows_padded_ptr,
+    block_slots_ptr,
+    block_rows_ptr,
     num_pairs,
     num_m_blocks,
     hidden,
@@ -188,6 +212,7 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PAIR_TABLE: tl.constexpr,
 ):
     """h[row] = act(x[tok] @ w_gate[e].T) * (x[tok] @ w_up[e].T) for one row block, N tile.
 
@@ -200,7 +225,9 @@ def _gate_up_kernel(
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + rows)
+    pair = _block_pairs(
+        pid_m, sorted_pair_ids_ptr, block_slots_ptr, block_rows_ptr, num_pairs, BLOCK_M, PAIR_TABLE
+    )
     row_ok = pair < num_pairs
     tok = (pair // TOP_K).to(tl.int64)
 
@@ -269,6 +296,8 @@ def _down_kernel(
     sorted_pair_ids_ptr,
     block_expert_ids_ptr,
     num_rows_padded_ptr,
+    block_slots_ptr,
+    block_rows_ptr,
     num_pairs,
     num_m_blocks,
     hidden,
@@ -289,6 +318,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PAIR_TABLE: tl.constexpr,
 ):
     """y[pair] = weight[pair] * h[row] @ w2[e].T for one row block, N tile of `hidden`."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -296,7 +326,9 @@ def _down_kernel(
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + rows)
+    pair = _block_pairs(
+        pid_m, sorted_pair_ids_ptr, block_slots_ptr, block_rows_ptr, num_pairs, BLOCK_M, PAIR_TABLE
+    )
     row_ok = pair < num_pairs
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -795,14 +827,18 @@ def fused_moe_with_config(
             raise ValueError("prepared routing was captured by the router's kernel already")
         routing = aligned
         weights = weights_f32.reshape(-1)
-    rows = routing.sorted_pair_ids.shape[0]
-    num_m_blocks = rows // cfg.block_m
-    h = hidden.new_empty((rows, inter))
+    num_m_blocks = routing.num_blocks
+    h = hidden.new_empty((num_m_blocks * cfg.block_m, inter))
     y = hidden.new_empty((num_pairs, hidden_size))
     if fragment:
+        if routing.is_table:
+            raise ValueError("the MXFP4 fragment GEMMs take sorted routing, not a table")
         _fragment_gemms(hidden, w13, w2, h, y, weights, routing, cfg, activation, extras)
         return _pair_rows_out(y, num_tokens, top_k, combine)
 
+    # Unused in the sorted layout: a real int32 tensor, never read.
+    unused = routing.block_expert_ids
+    table = (routing.block_slots, routing.block_rows) if routing.is_table else (unused, unused)
     grid1 = (num_m_blocks * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid1](
         hidden,
@@ -813,6 +849,7 @@ def fused_moe_with_config(
         routing.sorted_pair_ids,
         routing.block_expert_ids,
         routing.num_rows_padded,
+        *table,
         num_pairs,
         num_m_blocks,
         hidden_size,
@@ -838,6 +875,7 @@ def fused_moe_with_config(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         EVEN_K=hidden_size % cfg.block_k == 0,
+        PAIR_TABLE=routing.is_table,
         **_launch_options(cfg),
     )
     grid2 = (num_m_blocks * triton.cdiv(hidden_size, cfg.block_n),)
@@ -851,6 +889,7 @@ def fused_moe_with_config(
         routing.sorted_pair_ids,
         routing.block_expert_ids,
         routing.num_rows_padded,
+        *table,
         num_pairs,
         num_m_blocks,
         hidden_size,
@@ -871,6 +910,7 @@ def fused_moe_with_config(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         EVEN_K=inter % cfg.block_k == 0,
+        PAIR_TABLE=routing.is_table,
         **_launch_options(cfg),
     )
     return _pair_rows_out(y, num_tokens, top_k, combine)

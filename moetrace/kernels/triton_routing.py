@@ -1,12 +1,14 @@
-"""The MoE routing path in three Triton launches: scoring + top-k + weights + capture, then alignment.
+"""The MoE routing path in one Triton launch: scoring, top-k, weights, capture and grouping.
 
 On the torch path a decode step's MoE layer runs, between the router GEMM and
 the first expert GEMM: the softmax, ``topk`` (its selection and its sort),
 the renormalisation's sum and division, the weights' cast to the model dtype
 and the alignment: 6 to 8 launches of 2-11 us each at batch 256.  Here
 ``_route_kernel`` (a program per row on the GPU) does the scoring, the top-k, the
-weights, their casts and the capture writes, and ``align_routing``
-(``kernels/triton_align.py``) groups the pairs by expert: three launches.
+weights, their casts and the capture writes, and (``route_and_align``) groups
+the pairs by expert for the GEMMs, the last program to finish labelling the
+row blocks (``_group_pairs``): one launch where the separate alignment
+(``kernels/triton_align.py``) takes two more.
 
 Ids are chosen on what the torch path ranks (the float32 probabilities for
 ``softmax_topk``, which distinct logits can share; the logits for
@@ -31,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moetrace.kernels.triton_align import AlignedRouting, align_routing, check_capture_views
+from moetrace.kernels.triton_align import AlignedRouting, check_capture_views
 from moetrace.kernels.triton_rounding import round_to
 
 # Scoring rules the kernel computes (the families' rules in ``layers/moe.py``).
@@ -183,7 +185,13 @@ def _torch_cuda_order(ids, values, ROWS: tl.constexpr, TOP_K: tl.constexpr, K_P2
 
 
 @triton.jit(
-    do_not_specialize=["num_tokens", "stride_logits", "stride_capture", "stride_capture_weights"]
+    do_not_specialize=[
+        "num_tokens",
+        "stride_logits",
+        "stride_capture",
+        "stride_capture_weights",
+        "table_stride",
+    ]
 )
 def _route_kernel(
     logits_ptr,
@@ -210,8 +218,20 @@ def _route_kernel(
     LIBDEVICE: tl.constexpr,
     WARP: tl.constexpr,
     K_WARP: tl.constexpr,
+    work_ptr,
+    table_ptr,
+    block_expert_ids_ptr,
+    block_slots_ptr,
+    block_rows_ptr,
+    num_rows_padded_ptr,
+    table_stride,
+    ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """``ROWS`` tokens: pick ``TOP_K`` experts, weigh them, write ids, weights and captures."""
+    """``ROWS`` tokens: pick ``TOP_K`` experts, weigh them, write ids, weights and captures.
+
+    With ``ALIGN`` the pairs are also grouped by expert for the GEMMs (see ``_group_pairs``).
+    """
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_tokens
     cols = tl.arange(0, EXPERTS_P2)
@@ -291,6 +311,65 @@ def _route_kernel(
             + slots[None, :]
         )
         tl.store(dst, w.to(capture_weights_ptr.dtype.element_ty), mask=ok)
+    if ALIGN:
+        _group_pairs(
+            ids, pair.to(tl.int32), ok, work_ptr, table_ptr, block_expert_ids_ptr,
+            block_slots_ptr, block_rows_ptr, num_rows_padded_ptr, num_experts, table_stride,
+            EXPERTS_P2, BLOCK_M,
+        )  # fmt: skip
+
+
+@triton.jit
+def _group_pairs(
+    ids,
+    pair,
+    ok,
+    work_ptr,
+    table_ptr,
+    block_expert_ids_ptr,
+    block_slots_ptr,
+    block_rows_ptr,
+    num_rows_padded_ptr,
+    num_experts,
+    table_stride,
+    EXPERTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Group this program's pairs by expert; the last program to finish labels the row blocks.
+
+    ``work`` holds a count per expert and, after them, a count of finished
+    programs; it is all zero on entry and left so.  A pair's atomic bump of
+    its expert's count is its slot in that expert's row of ``table``
+    (``table_stride`` slots a row, the step's token count), so the pairs need
+    no second pass.  The program that finishes last (its bump of the program
+    count returns the grid size less one; the bumps are acquire-release, so
+    every other program's slots are visible to it) takes the counts, zeroes
+    them, and gives each expert ``ceil(count / BLOCK_M)`` row blocks in expert
+    order: for block ``b`` its expert, its first slot in ``table`` and how many
+    of its ``BLOCK_M`` rows hold pairs.  The GEMMs stop at the padded row
+    count, so blocks past it are never read.  Slots within an expert's row
+    follow the atomics' order, which the GEMMs' results do not depend on (each
+    row is computed alone and written back by pair index).
+    """
+    slot = tl.atomic_add(work_ptr + ids, 1, mask=ok)
+    tl.store(table_ptr + ids.to(tl.int64) * table_stride + slot, pair, mask=ok)
+    tl.debug_barrier()  # every thread's slots are written before the program counts itself done
+    finished = tl.atomic_add(work_ptr + EXPERTS_P2, 1)
+    if finished == tl.num_programs(0) - 1:
+        experts = tl.arange(0, EXPERTS_P2)
+        real = experts < num_experts
+        counts = tl.atomic_xchg(work_ptr + experts, tl.zeros([EXPERTS_P2], tl.int32), mask=real)
+        counts = tl.where(real, counts, 0)
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        first = tl.cumsum(blocks, 0) - blocks
+        tl.store(num_rows_padded_ptr, tl.sum(blocks, 0) * BLOCK_M)
+        for j in range(0, tl.max(blocks, 0)):
+            has = j < blocks
+            tl.store(block_expert_ids_ptr + first + j, experts, mask=has)
+            tl.store(block_slots_ptr + first + j, experts * table_stride + j * BLOCK_M, mask=has)
+            rows = tl.minimum(counts - j * BLOCK_M, BLOCK_M)
+            tl.store(block_rows_ptr + first + j, rows, mask=has)
+        tl.atomic_xchg(work_ptr + EXPERTS_P2, 0)
 
 
 def launch_shape(experts_p2: int) -> tuple[int, int]:
@@ -327,6 +406,64 @@ def route(
     (from ``weights_dtype``), as the capturer's copy would write them.
     ``rows``/``num_warps`` override ``launch_shape`` (for benchmarks).
     """
+    weights, ids, weights_f32, _ = _route(
+        logits, top_k, scoring, renormalize=renormalize, scaling=scaling,
+        weights_dtype=weights_dtype, capture=capture, capture_weights=capture_weights,
+        rows=rows, num_warps=num_warps,
+    )  # fmt: skip
+    return weights, ids, weights_f32
+
+
+def grouping_work(num_experts: int, device: torch.device) -> torch.Tensor:
+    """The zeroed counters ``route_and_align`` needs (it leaves them zeroed): one a layer
+    keeps for its calls saves the per-call clearing."""
+    return torch.zeros(triton.next_power_of_2(num_experts) + 1, dtype=torch.int32, device=device)
+
+
+def route_and_align(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    block_m: int,
+    *,
+    renormalize: bool = False,
+    scaling: float | None = None,
+    weights_dtype: torch.dtype = torch.float32,
+    capture: torch.Tensor | None = None,
+    capture_weights: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
+) -> FusedRouting:
+    """``route``, and in the same launch the pairs grouped by expert in ``block_m``-row
+    blocks for the GEMMs (``_group_pairs``; the layout ``AlignedRouting`` calls a table).
+
+    ``work``: ``grouping_work``'s counters, left zeroed by every call; by default
+    fresh ones each call.  Two calls must not share them at the same time.
+    """
+    if work is None:
+        work = grouping_work(logits.shape[1], logits.device)
+    weights, ids, weights_f32, aligned = _route(
+        logits, top_k, scoring, renormalize=renormalize, scaling=scaling,
+        weights_dtype=weights_dtype, capture=capture, capture_weights=capture_weights,
+        group=(block_m, work),
+    )  # fmt: skip
+    return FusedRouting(weights, ids, weights_f32, aligned)
+
+
+def _route(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    *,
+    renormalize: bool,
+    scaling: float | None,
+    weights_dtype: torch.dtype,
+    capture: torch.Tensor | None,
+    capture_weights: torch.Tensor | None,
+    rows: int | None = None,
+    num_warps: int | None = None,
+    group: tuple[int, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AlignedRouting | None]:
+    """``route``'s launch; ``group`` (block_m, work counters) also groups the pairs."""
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; have {sorted(SCORINGS)}")
     num_tokens, num_experts = logits.shape
@@ -344,13 +481,20 @@ def route(
     weights_f32 = (
         weights if weights_dtype == torch.float32 else torch.empty_like(ids, dtype=torch.float32)
     )
-    if num_tokens == 0:
-        return weights, ids, weights_f32
     experts_p2 = triton.next_power_of_2(num_experts)
+    block_m, work = group if group is not None else (1, ids)
+    aligned = None
+    if group is not None:
+        if work.dtype != torch.int32 or work.numel() != experts_p2 + 1 or work.device != device:
+            raise ValueError(f"grouping counters must be int32 [{experts_p2 + 1}] on {device}")
+        aligned = AlignedRouting.table_for(num_tokens, top_k, num_experts, block_m, device)
+    if num_tokens == 0:
+        return weights, ids, weights_f32, aligned
     # Triton's interpreter runs programs one by one: 16 rows a program there keeps the
     # CPU tests quick, and a row's results do not depend on its program's other rows.
     default_rows, default_warps = launch_shape(experts_p2) if logits.is_cuda else (16, 4)
     rows = rows or default_rows
+    table = aligned or AlignedRouting(ids, ids, ids, 1, ids, ids)
     _route_kernel[(triton.cdiv(num_tokens, rows),)](
         logits,
         ids,
@@ -376,37 +520,15 @@ def route(
         LIBDEVICE=logits.is_cuda,
         WARP=min(experts_p2, 32),
         K_WARP=min(triton.next_power_of_2(top_k), 32),
+        work_ptr=work,
+        table_ptr=table.sorted_pair_ids,
+        block_expert_ids_ptr=table.block_expert_ids,
+        block_slots_ptr=table.block_slots,
+        block_rows_ptr=table.block_rows,
+        num_rows_padded_ptr=table.num_rows_padded,
+        table_stride=num_tokens,
+        ALIGN=group is not None,
+        BLOCK_M=block_m,
         num_warps=num_warps or default_warps,
     )
-    return weights, ids, weights_f32
-
-
-def route_and_align(
-    logits: torch.Tensor,
-    top_k: int,
-    scoring: str,
-    block_m: int,
-    *,
-    renormalize: bool = False,
-    scaling: float | None = None,
-    weights_dtype: torch.dtype = torch.float32,
-    capture: torch.Tensor | None = None,
-    capture_weights: torch.Tensor | None = None,
-) -> FusedRouting:
-    """``route``, then the pairs grouped by expert in ``block_m``-row groups for the GEMMs.
-
-    Three launches: the routing kernel and ``align_routing``'s two.
-    """
-    weights, ids, weights_f32 = route(
-        logits,
-        top_k,
-        scoring,
-        renormalize=renormalize,
-        scaling=scaling,
-        weights_dtype=weights_dtype,
-        capture=capture,
-        capture_weights=capture_weights,
-    )
-    num_experts = logits.shape[1]
-    aligned = align_routing(ids, num_experts, block_m)
-    return FusedRouting(weights, ids, weights_f32, aligned)
+    return weights, ids, weights_f32, aligned

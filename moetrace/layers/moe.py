@@ -258,6 +258,9 @@ class MoEExperts(nn.Module):
         self.use_triton = False
         self._capture: _PendingCapture | None = None
         self._prepared: _PreparedRouting | None = None
+        # The fused routing kernel's counters (zero between calls; ``route_and_align``),
+        # made at the first fused call.
+        self._grouping_work: torch.Tensor | None = None
 
     def can_route_fused(self, num_tokens: int) -> bool:
         """Whether the fused routing kernels may prepare this call (CUDA kernels only).
@@ -284,14 +287,16 @@ class MoEExperts(nn.Module):
         capture: torch.Tensor | None = None,
         capture_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, int32 ids) by ``rule`` in two launches, the pairs grouped for this
+        """(weights, int32 ids) by ``rule`` in one launch, the pairs grouped for this
         call's tiles; ``capture``/``capture_weights`` receive ids and weights."""
         if self._prepared is not None or self._capture is not None:
             raise RuntimeError("routing: a layer's ids never reached its experts")
         from moetrace.kernels.triton_moe import moe_config
-        from moetrace.kernels.triton_routing import route_and_align
+        from moetrace.kernels.triton_routing import grouping_work, route_and_align
 
         cfg = moe_config(logits.shape[0], top_k, self.num_experts)
+        if self._grouping_work is None or self._grouping_work.device != logits.device:
+            self._grouping_work = grouping_work(self.num_experts, logits.device)
         fused = route_and_align(
             logits,
             top_k,
@@ -302,6 +307,7 @@ class MoEExperts(nn.Module):
             weights_dtype=weights_dtype,
             capture=capture,
             capture_weights=capture_weights,
+            work=self._grouping_work,
         )
         self._prepared = _PreparedRouting(*fused)
         return fused.weights, fused.ids
