@@ -70,10 +70,11 @@ def test_fused_routing_replays_in_a_cuda_graph():
     assert int(out.aligned.num_rows_padded) == int(again.aligned.num_rows_padded)
 
 
-@pytest.mark.parametrize("num_tokens", [7, 256])
+@pytest.mark.parametrize("num_tokens", [7, 256, 3000])
 def test_moe_block_fused_routing_equals_the_torch_path(num_tokens, monkeypatch):
     """A bf16 softmax-top-k block, eager, kernels on: the fused path's captured ids and
-    weights and its output equal the same block's with fused routing turned off."""
+    weights and its output equal the same block's with fused routing turned off, at
+    decode sizes and at a prefill chunk's (larger row blocks, several an expert)."""
     from engine_helpers import tiny_model
 
     from moetrace.capture.capturer import RoutingCapturer, capture_dtype
@@ -82,7 +83,7 @@ def test_moe_block_fused_routing_equals_the_torch_path(num_tokens, monkeypatch):
     model = tiny_model(torch.bfloat16).cuda()
     blocks = model.moe_blocks()
     capturer = RoutingCapturer(
-        512, len(blocks), model.top_k, torch.device("cuda"), capture_dtype(model.num_experts),
+        max(512, num_tokens), len(blocks), model.top_k, torch.device("cuda"), capture_dtype(model.num_experts),
         torch.float32,
     )  # fmt: skip
     capturer.in_kernel = True
@@ -101,7 +102,7 @@ def test_moe_block_fused_routing_equals_the_torch_path(num_tokens, monkeypatch):
         return capturer.buffer.clone(), capturer.weights.clone(), outs
 
     ids_t, w_t, out_t = run(0)
-    ids_f, w_f, out_f = run(1024)
+    ids_f, w_f, out_f = run(num_tokens)
     for layer in range(len(blocks)):
         # bf16 logits tie often: the fused kernel orders ties as CUDA's torch.topk does.
         assert torch.equal(ids_f[:num_tokens, layer], ids_t[:num_tokens, layer])

@@ -127,16 +127,17 @@ def sigmoid_weights(
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
-# Steps of up to this many tokens route through the fused Triton kernels where a
-# layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``);
-# larger ones (prefill) through the torch ops.  Decided by the step's size, so a
-# captured graph always holds one path.  Its ids are CUDA ``torch.topk``'s on
-# every row, ties included, and its float32 weights torch's to 1-2 units in the
-# last place (``tests/test_gpu_routing.py``; ``tests/test_gpu_engine.py`` passes
-# with it).  On by default since it pays on the H200: the batch-256 decode step
-# 20.63 -> 19.86 ms on Qwen3-30B-A3B's shape, 7.94 -> 7.72 on OLMoE-1B-7B's
-# (docs/benchmarks.md).  ``MOETRACE_FUSED_ROUTING=0`` turns it off.
-FUSED_ROUTING_MAX_TOKENS = 0 if os.environ.get("MOETRACE_FUSED_ROUTING") == "0" else 1024
+# Steps of up to this many tokens route through the fused Triton kernel where a
+# layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``),
+# prefill chunks included: with the pairs grouped in the same launch it beats
+# the torch ops at every size measured (H200, ``benchmarks/routing.py``: 12-14 us
+# against 31-36 at T=256, 38-44 against 114-142 at 8192).  The cap bounds its
+# per-call table (experts x tokens int32: 32 MB at 128 experts); larger steps take
+# the torch ops.  Decided by the step's size, so a captured graph always holds one
+# path.  Its ids are CUDA ``torch.topk``'s on every row, ties included, and its
+# float32 weights torch's to 1-2 units in the last place
+# (``tests/test_gpu_routing.py``).  ``MOETRACE_FUSED_ROUTING=0`` turns it off.
+FUSED_ROUTING_MAX_TOKENS = 0 if os.environ.get("MOETRACE_FUSED_ROUTING") == "0" else 65536
 
 
 class RoutingRule(NamedTuple):
