@@ -158,6 +158,13 @@ def test_route_and_align_groups_every_pair_once_in_expert_order(num_tokens, num_
         assert experts == want.block_expert_ids[: len(experts)].tolist()
 
 
+def test_route_and_align_of_no_tokens_uses_no_rows():
+    logits = torch.zeros(0, 64, device=DEVICE)
+    fused = route_and_align(logits, 8, "softmax_topk", 32)
+    assert fused.ids.shape == (0, 8)
+    assert int(fused.aligned.num_rows_padded) == 0
+
+
 def test_experts_give_the_same_output_from_either_layout():
     """The GEMMs read a table-layout routing (fused kernel) as they read the sorted one."""
     from moetrace.kernels.triton_moe import fused_moe, fused_moe_with_config, moe_config

@@ -489,12 +489,15 @@ def _route(
             raise ValueError(f"grouping counters must be int32 [{experts_p2 + 1}] on {device}")
         aligned = AlignedRouting.table_for(num_tokens, top_k, num_experts, block_m, device)
     if num_tokens == 0:
+        if aligned is not None:
+            aligned.num_rows_padded.zero_()
         return weights, ids, weights_f32, aligned
     # Triton's interpreter runs programs one by one: 16 rows a program there keeps the
     # CPU tests quick, and a row's results do not depend on its program's other rows.
     default_rows, default_warps = launch_shape(experts_p2) if logits.is_cuda else (16, 4)
     rows = rows or default_rows
-    table = aligned or AlignedRouting(ids, ids, ids, 1, ids, ids)
+    # Without grouping its pointers are never read: ``ids`` stands in for each.
+    table = aligned or AlignedRouting(ids, ids, ids, block_m, ids, ids)
     _route_kernel[(triton.cdiv(num_tokens, rows),)](
         logits,
         ids,
