@@ -1,6 +1,6 @@
 """Decode-step kernels timed in steady state: many calls chained in one CUDA graph.
 
-    python benchmarks/steady_state.py [align] [attention] [gemms]
+    python benchmarks/steady_state.py [align] [attention] [gemms] [streams]
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
@@ -11,6 +11,10 @@ replay adds.
 ``gemms``: the decode step's projection GEMMs at M=256 (``projection_gemms.py``'s
 shapes) under each BLAS library torch offers
 (``torch.backends.cuda.preferred_blas_library``).
+``streams``: four MoE layers' experts at T=256 (``moe_tiles.py``'s OLMoE-1B-7B,
+Qwen3-30B-A3B and DeepSeek-V2-Lite shapes; alignment, gate/up, down), chained
+on one stream and, in pairs, side by side on two: what the second stream wins
+is the time a layer's kernels lose where one drains and the next fills.
 
 Times are µs a call from ``graph_replay.chained_us``: each chain rotates its
 inputs through more bytes than the L2 holds, so every call reads from HBM as
@@ -24,12 +28,13 @@ from functools import partial
 
 import attention_tiles
 import graph_replay
+import moe_tiles
 import projection_gemms
 import torch
 import torch.nn.functional as F
 from kernels import bench, graphed  # benchmarks/kernels.py
 
-from moetrace.kernels import triton_align, triton_attention
+from moetrace.kernels import triton_align, triton_attention, triton_moe
 
 
 def align() -> None:
@@ -90,10 +95,69 @@ def gemms() -> None:
         print("  ".join(row), flush=True)
 
 
+def _side_by_side_us(calls: list, replays: int = 5) -> float:
+    """µs a call with ``calls`` captured in pairs, each pair's two on two forked streams."""
+    main, side = torch.cuda.Stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(main), torch.cuda.graph(graph, stream=main):
+        for i in range(0, len(calls), 2):
+            for stream, call in zip(side, calls[i : i + 2], strict=True):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    call()
+            for stream in side:
+                main.wait_stream(stream)
+    times = []
+    for _ in range(3):
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    return sorted(times)[1]
+
+
+def streams() -> None:
+    for name in ("olmoe", "qwen3", "deepseek-v2-lite"):
+        shape = moe_tiles.SHAPES[name]
+        layers = [moe_tiles.build(shape, 256, seed=seed) for seed in range(4)]
+        cfg = triton_moe.moe_config(256, shape.top_k, shape.experts)
+        calls = [
+            partial(
+                triton_moe.fused_moe_with_config,
+                x,
+                experts.w13,
+                experts.w2,
+                weights,
+                ids,
+                cfg,
+                shape.activation,
+                combine=False,
+            )  # fmt: skip
+            for experts, x, weights, ids, _ in layers
+        ]
+        nbytes = sum(layer[4] for layer in layers) / len(layers)
+        one = graph_replay.chained_us(calls)
+        two = _side_by_side_us(calls)
+        print(
+            f"streams {name:17s} bytes {nbytes / projection_gemms.HBM_BYTES_S * 1e6:6.1f} us"
+            f"  one stream {one:6.1f}  two streams {two:6.1f} (us a layer)",
+            flush=True,
+        )
+        del layers, calls
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/steady_state.py needs CUDA")
-    sections = {"align": align, "attention": attention, "gemms": gemms}
+    sections = {"align": align, "attention": attention, "gemms": gemms, "streams": streams}
     for name in sys.argv[1:] or list(sections):
         if name not in sections:
             sys.exit(f"unknown section {name!r}: choose from {', '.join(sections)}")
