@@ -35,7 +35,12 @@ def chained_us(calls: list[Callable[[], object]], *, replays: int = 5, rounds: i
     H200); inside a decode step a kernel pays neither.  Rotate the inputs among
     ``calls`` (more bytes than the L2 holds) so that no call reads another's data
     from the cache."""
-    replay = graphed(lambda: [call() for call in calls])
+    return replayed_us(graphed(lambda: [call() for call in calls]), len(calls), replays, rounds)
+
+
+def replayed_us(replay: Callable[[], None], calls: int, replays: int = 5, rounds: int = 3) -> float:
+    """µs a call of a graph ``replay`` holding ``calls`` calls: three warm replays, then the
+    median of ``rounds`` timings of ``replays`` replays back to back."""
     for _ in range(3):
         replay()
     times = []
@@ -46,5 +51,5 @@ def chained_us(calls: list[Callable[[], object]], *, replays: int = 5, rounds: i
             replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
     return sorted(times)[len(times) // 2]

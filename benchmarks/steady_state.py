@@ -95,14 +95,12 @@ def gemms() -> None:
         print("  ".join(row), flush=True)
 
 
-def _side_by_side_us(calls: list, replays: int = 5) -> float:
+def _side_by_side_us(calls: list) -> float:
     """µs a call with ``calls`` captured in pairs, each pair's two on two forked streams."""
-    main, side = torch.cuda.Stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(main), torch.cuda.graph(graph, stream=main):
+    side = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def pairs() -> None:
+        main = torch.cuda.current_stream()
         for i in range(0, len(calls), 2):
             for stream, call in zip(side, calls[i : i + 2], strict=True):
                 stream.wait_stream(main)
@@ -110,17 +108,8 @@ def _side_by_side_us(calls: list, replays: int = 5) -> float:
                     call()
             for stream in side:
                 main.wait_stream(stream)
-    times = []
-    for _ in range(3):
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
-    return sorted(times)[1]
+
+    return graph_replay.replayed_us(graph_replay.graphed(pairs), len(calls))
 
 
 def streams() -> None:
