@@ -100,6 +100,26 @@ def test_every_module_on_the_kernels_and_graphs_replay_eager_steps(weight_format
         np.testing.assert_array_equal(eager[rid].routed_experts, graph[rid].routed_experts)
 
 
+@pytest.mark.parametrize("weight_format", ["dense", "mxfp4"])
+def test_fused_routing_records_what_the_torch_routing_records(weight_format, monkeypatch):
+    """The router's top-k and softmax in the fused kernel (its pairs grouped in a table the
+    expert GEMMs read) against the torch ops: the same tokens, ids and gate weights."""
+    model = tiny_gpt_oss(weight_format)
+    prompts = {f"p{i}": list(range(3 + i, 40 + 2 * i)) for i in range(16)}
+    runs = {}
+    for max_tokens in (0, moe.FUSED_ROUTING_MAX_TOKENS):
+        monkeypatch.setattr(moe, "FUSED_ROUTING_MAX_TOKENS", max_tokens)
+        runs[max_tokens], _ = run(model, prompts, enforce_eager=True, capture_weights="float32")
+    torch_path, fused = runs.values()
+    blocks = [m for m in model.modules() if isinstance(m, moe.MoEExperts)]
+    assert all(b._grouping_work is not None for b in blocks)  # the fused kernel ran
+    for rid in torch_path:
+        want, got = torch_path[rid], fused[rid]
+        np.testing.assert_array_equal(got.output_token_ids, want.output_token_ids)
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+        np.testing.assert_array_equal(got.routed_weights, want.routed_weights)
+
+
 def test_forward_and_capture_never_sync_the_host():
     """Sinks, MXFP4 experts and in-kernel capture with torch's sync checker set to raise."""
     assert_forward_never_syncs(tiny_gpt_oss("mxfp4"), CUDA)

@@ -26,7 +26,13 @@ from triton.compiler import ASTSource  # noqa: E402
 from moetrace.kernels import triton_moe  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
-INT_POINTERS = {"sorted_pair_ids_ptr", "block_expert_ids_ptr", "num_rows_padded_ptr"}
+INT_POINTERS = {
+    "sorted_pair_ids_ptr",
+    "block_expert_ids_ptr",
+    "num_rows_padded_ptr",
+    "block_slots_ptr",
+    "block_rows_ptr",
+}
 UNALIGNED = {"num_pairs", "num_m_blocks"}  # not specialised (do_not_specialize)
 
 
@@ -58,8 +64,9 @@ def compile_h200(fn, constants: dict, **options):
 
 
 TILE = dict(
-    FAST=True, PRECISION="tf32", BLOCK_M=64, BLOCK_K=128, GROUP_M=8, EVEN_K=False, FULL_STEP=True
-)
+    FAST=True, PRECISION="tf32", BLOCK_M=64, BLOCK_K=128, GROUP_M=8, EVEN_K=False, FULL_STEP=True,
+    PAIR_TABLE=False,
+)  # fmt: skip
 KERNELS = {
     "gate_up": (
         triton_moe._gate_up_fragment_kernel,
@@ -157,11 +164,13 @@ def ptxas_notes(compiled) -> str:
 
 @pytest.mark.parametrize("name", list(KERNELS))
 @pytest.mark.parametrize("block_m", [32, 64])  # the decode tile's token block, and the test's
-def test_products_stay_in_flight_while_the_next_words_decode(name, block_m):
+@pytest.mark.parametrize("pair_table", [False, True])  # sorted pairs, or the routing's table
+def test_products_stay_in_flight_while_the_next_words_decode(name, block_m, pair_table):
     """ptxas must not serialize the loop's asynchronous products (its note C7515): each
     would then wait for the last to finish, and no decoding would overlap the tensor cores."""
     fn, constants = KERNELS[name]
-    compiled = compile_h200(fn, {**constants, "BLOCK_M": block_m}, num_warps=4, num_stages=3)
+    constants = {**constants, "BLOCK_M": block_m, "PAIR_TABLE": pair_table}
+    compiled = compile_h200(fn, constants, num_warps=4, num_stages=3)
     assert "C7515" not in ptxas_notes(compiled)
     ops = sass_loop(compiled)
     products = sum(o.startswith("HGMMA") for o in ops)

@@ -784,6 +784,31 @@ def test_fragment_kernel_odd_experts_and_tails() -> None:
     assert err < TOL[BF16] / 2, f"relative error {err:.2e}"
 
 
+def test_fragment_kernels_read_the_fused_routings_table() -> None:
+    """gpt-oss routed by the fused kernel (top-k, then softmax): the fragment GEMMs read
+    its table of pairs and give the sorted layout's output bit for bit."""
+    from moetrace.kernels.triton_moe import fused_moe_with_config, moe_config
+    from moetrace.kernels.triton_routing import route_and_align
+
+    experts = gpt_oss_experts("mxfp4-fragment", 96, 96, seed=31, num_experts=5)
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(29, 96, generator=gen).to(BF16).to(DEVICE)
+    logits = torch.randn(29, 5, generator=gen).to(DEVICE)
+    cfg = moe_config(29, 2, 5, mxfp4=True, layout="fragment")
+    fused = route_and_align(logits, 2, "topk_softmax", cfg.block_m, weights_dtype=BF16)
+    assert fused.aligned.is_table
+
+    def call(**prepared) -> torch.Tensor:
+        poison_allocator()
+        return fused_moe_with_config(
+            x, experts.w13, experts.w2, fused.weights, fused.ids, cfg, "clamped_swiglu",
+            extras=experts._kernel_extras(), **prepared,
+        )  # fmt: skip
+
+    table_out = call(aligned=fused.aligned, weights_f32=fused.weights_f32)
+    assert torch.equal(table_out, call())
+
+
 def test_fragment_kernel_in_float32() -> None:
     """float32 activations: the generic decoder and exact float32 products."""
     experts = gpt_oss_experts("mxfp4-fragment", 96, 64, seed=13).float()

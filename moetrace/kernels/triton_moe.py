@@ -423,6 +423,8 @@ def _gate_up_fragment_kernel(
     sorted_pair_ids_ptr,
     block_expert_ids_ptr,
     num_rows_padded_ptr,
+    block_slots_ptr,
+    block_rows_ptr,
     num_pairs,
     num_m_blocks,
     hidden,
@@ -447,6 +449,7 @@ def _gate_up_fragment_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     FULL_STEP: tl.constexpr = False,
+    PAIR_TABLE: tl.constexpr = False,
 ):
     """``h[row] = act(gate) * up`` for BLOCK_N channels, the weights as the left operand.
 
@@ -459,7 +462,9 @@ def _gate_up_fragment_kernel(
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + rows)
+    pair = _block_pairs(
+        pid_m, sorted_pair_ids_ptr, block_slots_ptr, block_rows_ptr, num_pairs, BLOCK_M, PAIR_TABLE
+    )
     row_ok = pair < num_pairs
     tok = (pair // TOP_K).to(tl.int64)
 
@@ -514,6 +519,8 @@ def _down_fragment_kernel(
     sorted_pair_ids_ptr,
     block_expert_ids_ptr,
     num_rows_padded_ptr,
+    block_slots_ptr,
+    block_rows_ptr,
     num_pairs,
     num_m_blocks,
     hidden,
@@ -534,6 +541,7 @@ def _down_fragment_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     FULL_STEP: tl.constexpr = False,
+    PAIR_TABLE: tl.constexpr = False,
 ):
     """``y[pair] = weight[pair] * w2[e] @ h[row]`` for BLOCK_N channels of ``hidden``,
     as ``acc [BLOCK_N, BLOCK_M] = w2[e, channels] @ h[rows].T``."""
@@ -542,7 +550,9 @@ def _down_fragment_kernel(
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + rows)
+    pair = _block_pairs(
+        pid_m, sorted_pair_ids_ptr, block_slots_ptr, block_rows_ptr, num_pairs, BLOCK_M, PAIR_TABLE
+    )
     row_ok = pair < num_pairs
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -831,8 +841,6 @@ def fused_moe_with_config(
     h = hidden.new_empty((num_m_blocks * cfg.block_m, inter))
     y = hidden.new_empty((num_pairs, hidden_size))
     if fragment:
-        if routing.is_table:
-            raise ValueError("the MXFP4 fragment GEMMs take sorted routing, not a table")
         _fragment_gemms(hidden, w13, w2, h, y, weights, routing, cfg, activation, extras)
         return _pair_rows_out(y, num_tokens, top_k, combine)
 
@@ -974,19 +982,22 @@ def _fragment_gemms(
     b13 = w13 if extras.b13 is None else extras.b13.contiguous()
     b2 = w2 if extras.b2 is None else extras.b2.contiguous()
     fast = hidden.is_cuda and hidden.dtype == torch.bfloat16 and not extras.mxfp4_wide_scales
-    num_m_blocks = routing.sorted_pair_ids.shape[0] // cfg.block_m
+    num_m_blocks = routing.num_blocks
+    unused = routing.block_expert_ids  # the sorted layout's table pointers: never read
+    table = (routing.block_slots, routing.block_rows) if routing.is_table else (unused, unused)
     common = dict(
         FAST=fast,
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",  # float32: exact products
         BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
+        PAIR_TABLE=routing.is_table,
         **_launch_options(cfg),
     )
     channels = cfg.block_n // 2  # gate and up rows of each channel
     _gate_up_fragment_kernel[(num_m_blocks * triton.cdiv(inter, channels),)](
         hidden, w13, h, b13, s13,
-        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
         num_pairs, num_m_blocks, hidden_size, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0),
         s13.stride(0), s13.stride(1),
@@ -997,7 +1008,7 @@ def _fragment_gemms(
     )  # fmt: skip
     _down_fragment_kernel[(num_m_blocks * triton.cdiv(hidden_size, cfg.block_n),)](
         h, w2, y, b2, s2, weights,
-        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
         num_pairs, num_m_blocks, hidden_size, inter,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0),
         s2.stride(0), s2.stride(1),

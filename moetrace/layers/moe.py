@@ -269,9 +269,9 @@ class MoEExperts(nn.Module):
         Not with hooks on the experts (tensor and expert parallel rewrite the
         ids there), nor for a size ``moe_forward`` gives to ``grouped_mm``.
         """
-        if not self.use_triton or num_tokens > FUSED_ROUTING_MAX_TOKENS or self.mxfp4:
+        if not self.use_triton or num_tokens > FUSED_ROUTING_MAX_TOKENS:
             return False
-        if self._forward_pre_hooks or self._forward_hooks or self.b13 is not None:
+        if self._forward_pre_hooks or self._forward_hooks:
             return False
         from moetrace.kernels.triton_moe import uses_grouped_mm
 
@@ -295,7 +295,9 @@ class MoEExperts(nn.Module):
         from moetrace.kernels.triton_moe import moe_config
         from moetrace.kernels.triton_routing import grouping_work, route_and_align
 
-        cfg = moe_config(logits.shape[0], top_k, self.num_experts)
+        cfg = moe_config(
+            logits.shape[0], top_k, self.num_experts, mxfp4=self.mxfp4, layout=self.mxfp4_layout
+        )
         if self._grouping_work is None or self._grouping_work.device != logits.device:
             self._grouping_work = grouping_work(self.num_experts, logits.device)
         fused = route_and_align(

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from moetrace.errors import ModelError
-from moetrace.layers.moe import MoEExperts, topk_softmax, topk_softmax_weights
+from moetrace.layers.moe import MoEExperts, RoutingRule, topk_softmax, topk_softmax_weights
 from moetrace.layers.mxfp4 import quant_method
 from moetrace.layers.norm import RMSNorm
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
@@ -101,6 +101,9 @@ class GptOssBlock(MoEBlockBase):
         num_experts = config["num_local_experts"]
         self.top_k = config["num_experts_per_tok"]
         self.router = nn.Linear(hidden, num_experts, bias=True)
+        # bf16 logits (the reference does not upcast): the kernel reads their values, ranks
+        # them as torch.topk does and rounds the softmax over the k to the model dtype.
+        self.routing_rule = RoutingRule("topk_softmax")
         swiglu = {
             "alpha": float(config.get("swiglu_alpha", 1.702)),
             "limit": float(config.get("swiglu_limit", 7.0)),
@@ -123,8 +126,7 @@ class GptOssBlock(MoEBlockBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Logits, top-k and softmax all in the model dtype, as the reference.
-        weights, ids = self.route(self.router(x))
-        self.record(ids, weights)
+        weights, ids = self.route_and_record(self.router(x), x.dtype)
         return self.experts(x, weights, ids)
 
 
