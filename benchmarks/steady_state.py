@@ -12,9 +12,11 @@ replay adds.
 shapes) under each BLAS library torch offers
 (``torch.backends.cuda.preferred_blas_library``).
 ``streams``: four MoE layers' experts at T=256 (``moe_tiles.py``'s OLMoE-1B-7B,
-Qwen3-30B-A3B and DeepSeek-V2-Lite shapes; alignment, gate/up, down), chained
-on one stream and, in pairs, side by side on two: what the second stream wins
-is the time a layer's kernels lose where one drains and the next fills.
+Qwen3-30B-A3B, DeepSeek-V2-Lite and fragment-MXFP4 gpt-oss shapes; alignment,
+gate/up, down), chained on one stream, with each layer's row blocks in two or
+three parts side by side (``kernels/side_streams.py``), and whole layers in
+pairs on two streams: what the extra streams win is the time a layer's
+kernels lose where one drains and the next fills.
 
 Times are µs a call from ``graph_replay.chained_us``: each chain rotates its
 inputs through more bytes than the L2 holds, so every call reads from HBM as
@@ -112,12 +114,15 @@ def _side_by_side_us(calls: list) -> float:
     return graph_replay.replayed_us(graph_replay.graphed(pairs), len(calls))
 
 
-def streams() -> None:
-    for name in ("olmoe", "qwen3", "deepseek-v2-lite"):
-        shape = moe_tiles.SHAPES[name]
-        layers = [moe_tiles.build(shape, 256, seed=seed) for seed in range(4)]
-        cfg = triton_moe.moe_config(256, shape.top_k, shape.experts)
-        calls = [
+def _experts_calls(shape, layers) -> list:
+    """One ``fused_moe`` call a layer at the shape's default tile (MXFP4: its extras)."""
+    cfg = triton_moe.moe_config(
+        256, shape.top_k, shape.experts, mxfp4=shape.fmt == "mxfp4", layout=shape.layout
+    )
+    calls = []
+    for experts, x, weights, ids, _ in layers:
+        extras = experts._kernel_extras() if shape.activation == "clamped_swiglu" else None
+        calls.append(
             partial(
                 triton_moe.fused_moe_with_config,
                 x,
@@ -127,16 +132,31 @@ def streams() -> None:
                 ids,
                 cfg,
                 shape.activation,
+                extras=extras,
                 combine=False,
             )  # fmt: skip
-            for experts, x, weights, ids, _ in layers
-        ]
+        )
+    return calls
+
+
+def streams() -> None:
+    for name in ("olmoe", "qwen3", "deepseek-v2-lite", "gpt-oss-mx-frag"):
+        shape = moe_tiles.SHAPES[name]
+        layers = [moe_tiles.build(shape, 256, seed=seed) for seed in range(4)]
+        calls = _experts_calls(shape, layers)
         nbytes = sum(layer[4] for layer in layers) / len(layers)
-        one = graph_replay.chained_us(calls)
+        chained = {}
+        defaults = triton_moe.EXPERT_STREAMS, triton_moe.FRAGMENT_STREAMS
+        for parts in (1, 2, 3):  # each call's experts in 1-3 parts on as many streams
+            triton_moe.EXPERT_STREAMS = triton_moe.FRAGMENT_STREAMS = parts
+            chained[parts] = graph_replay.chained_us(calls)
+        triton_moe.EXPERT_STREAMS = triton_moe.FRAGMENT_STREAMS = 1
         two = _side_by_side_us(calls)
+        triton_moe.EXPERT_STREAMS, triton_moe.FRAGMENT_STREAMS = defaults
         print(
             f"streams {name:17s} bytes {nbytes / projection_gemms.HBM_BYTES_S * 1e6:6.1f} us"
-            f"  one stream {one:6.1f}  two streams {two:6.1f} (us a layer)",
+            f"  one stream {chained[1]:6.1f}  in 2 parts {chained[2]:6.1f}"
+            f"  in 3 parts {chained[3]:6.1f}  layers in pairs {two:6.1f} (us a layer)",
             flush=True,
         )
         del layers, calls
@@ -146,7 +166,12 @@ def streams() -> None:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/steady_state.py needs CUDA")
-    sections = {"align": align, "attention": attention, "gemms": gemms, "streams": streams}
+    sections = {
+        "align": align,
+        "attention": attention,
+        "gemms": gemms,
+        "streams": streams,
+    }
     for name in sys.argv[1:] or list(sections):
         if name not in sections:
             sys.exit(f"unknown section {name!r}: choose from {', '.join(sections)}")

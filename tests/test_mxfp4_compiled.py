@@ -65,7 +65,7 @@ def compile_h200(fn, constants: dict, **options):
 
 TILE = dict(
     FAST=True, PRECISION="tf32", BLOCK_M=64, BLOCK_K=128, GROUP_M=8, EVEN_K=False, FULL_STEP=True,
-    PAIR_TABLE=False,
+    PAIR_TABLE=False, BLOCK_PARTS=1, PART=0,
 )  # fmt: skip
 KERNELS = {
     "gate_up": (

@@ -420,6 +420,84 @@ def test_fused_moe_gelu_tanh() -> None:
     assert err < TOL[torch.bfloat16], f"relative error {err:.2e}"
 
 
+def _parts_outputs(call, monkeypatch, attribute: str, parts: tuple[int, ...]) -> list:
+    """``call()`` with the experts' row blocks split into each count of ``parts``."""
+    from moetrace.kernels import triton_moe
+
+    outs = []
+    for count in parts:
+        monkeypatch.setattr(triton_moe, attribute, count)
+        poison_allocator()
+        outs.append(call())
+    return outs
+
+
+@pytest.mark.parametrize("layout", ["sorted", "table"])
+def test_expert_parts_give_the_one_part_output(layout: str, monkeypatch) -> None:
+    """Row blocks split into two or three parts (side streams on CUDA) give the one-part
+    output bit for bit: each block is computed once, by one part.  37 tokens x top-2 over 8
+    experts in 32-row blocks: 11 blocks, so the parts are uneven."""
+    from moetrace.kernels.triton_moe import expert_parts, fused_moe_with_config, moe_config
+    from moetrace.kernels.triton_routing import route_and_align
+
+    hidden, inter = MOE_SHAPE
+    x, w13, w2, _, _ = make_moe(37, 8, 2, hidden, inter, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    logits = torch.randn(37, 8, generator=gen).to(DEVICE)
+    cfg = moe_config(37, 2, 8)
+    fused = route_and_align(logits, 2, "softmax_topk", cfg.block_m, weights_dtype=BF16)
+    assert fused.aligned.num_blocks == 11 and expert_parts(37 * 2 / 8, 11, 2) == 2
+    if layout == "table":
+        extra = dict(aligned=fused.aligned, weights_f32=fused.weights_f32)
+    else:
+        extra = {}
+
+    def call() -> torch.Tensor:
+        return fused_moe_with_config(
+            x, w13, w2, fused.weights, fused.ids, cfg, combine=False, **extra
+        )  # fmt: skip
+
+    one, two, three = _parts_outputs(call, monkeypatch, "EXPERT_STREAMS", (1, 2, 3))
+    assert torch.equal(two, one) and torch.equal(three, one)
+    ref = moe_reference(x, w13, w2, fused.weights, fused.ids)
+    assert rel_err(one.float().sum(dim=1), ref) < TOL[torch.bfloat16]
+
+
+def test_fragment_expert_parts_give_the_one_part_output(monkeypatch) -> None:
+    """The MXFP4 fragment GEMMs take the same split (one part by default: measured slower)."""
+    experts = gpt_oss_experts("mxfp4-fragment", 96, 96, seed=23, num_experts=5)
+    gen = torch.Generator().manual_seed(24)
+    x = torch.randn(41, 96, generator=gen).to(BF16).to(DEVICE)
+    weights, ids = skewed_routing(41, 5, 2, gen)
+    experts.use_triton = True
+
+    def call() -> torch.Tensor:
+        return experts(x, weights.to(BF16), ids)
+
+    one, two = _parts_outputs(call, monkeypatch, "FRAGMENT_STREAMS", (1, 2))
+    assert torch.equal(two, one)
+
+
+@cuda_only
+def test_expert_parts_replay_in_a_cuda_graph(monkeypatch) -> None:
+    """The parts' side streams fork from and join the capturing stream: a replay of the
+    two-part call gives the eager one-part output, and no stream is left unjoined."""
+    from moetrace.kernels import triton_moe
+
+    x, w13, w2, weights, ids = make_moe(256, 64, 8, 512, 256, seed=25)
+    monkeypatch.setattr(triton_moe, "EXPERT_STREAMS", 1)
+    eager = fused_moe(x, w13, w2, weights, ids)
+    monkeypatch.setattr(triton_moe, "EXPERT_STREAMS", 2)
+    fused_moe(x, w13, w2, weights, ids)  # compiles the part kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "block_m"),
     # One planning program; eight with 11 chunks of rows (three programs label blocks);

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from moetrace.kernels.mxfp4_layout import LAYOUTS, scale_shape
+from moetrace.kernels.side_streams import EXPERT_STREAMS, run_in_parts
 from moetrace.kernels.triton_align import AlignedRouting, align_routing
 from moetrace.kernels.triton_mxfp4 import fragment_operand, fragment_tile
 from moetrace.kernels.triton_rounding import round_to
@@ -213,14 +214,21 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     PAIR_TABLE: tl.constexpr,
+    BLOCK_PARTS: tl.constexpr = 1,
+    PART: tl.constexpr = 0,
 ):
     """h[row] = act(x[tok] @ w_gate[e].T) * (x[tok] @ w_up[e].T) for one row block, N tile.
 
     Gate row ``n`` of ``w`` is ``n`` and up row ``inter + n``, or with
     ``INTERLEAVED`` (gpt-oss checkpoints) ``2n`` and ``2n + 1``.  MXFP4 weights
     are bytes (two values each) with a scale per 32 values along K.
+
+    ``BLOCK_PARTS``/``PART``: this launch takes row blocks ``PART``, ``PART +
+    BLOCK_PARTS``, ... (``num_m_blocks`` of them), so the parts of one call can
+    run side by side (``kernels/side_streams.py``); likewise in the other GEMMs.
     """
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    pid_m = pid_m * BLOCK_PARTS + PART
     if pid_m * BLOCK_M >= tl.load(num_rows_padded_ptr):
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
@@ -319,9 +327,12 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     PAIR_TABLE: tl.constexpr,
+    BLOCK_PARTS: tl.constexpr = 1,
+    PART: tl.constexpr = 0,
 ):
     """y[pair] = weight[pair] * h[row] @ w2[e].T for one row block, N tile of `hidden`."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    pid_m = pid_m * BLOCK_PARTS + PART
     if pid_m * BLOCK_M >= tl.load(num_rows_padded_ptr):
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
@@ -450,6 +461,8 @@ def _gate_up_fragment_kernel(
     EVEN_K: tl.constexpr,
     FULL_STEP: tl.constexpr = False,
     PAIR_TABLE: tl.constexpr = False,
+    BLOCK_PARTS: tl.constexpr = 1,
+    PART: tl.constexpr = 0,
 ):
     """``h[row] = act(gate) * up`` for BLOCK_N channels, the weights as the left operand.
 
@@ -458,6 +471,7 @@ def _gate_up_fragment_kernel(
     rows), so the split into gate and up is a register split.
     """
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    pid_m = pid_m * BLOCK_PARTS + PART
     if pid_m * BLOCK_M >= tl.load(num_rows_padded_ptr):
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
@@ -542,10 +556,13 @@ def _down_fragment_kernel(
     EVEN_K: tl.constexpr,
     FULL_STEP: tl.constexpr = False,
     PAIR_TABLE: tl.constexpr = False,
+    BLOCK_PARTS: tl.constexpr = 1,
+    PART: tl.constexpr = 0,
 ):
     """``y[pair] = weight[pair] * w2[e] @ h[row]`` for BLOCK_N channels of ``hidden``,
     as ``acc [BLOCK_N, BLOCK_M] = w2[e, channels] @ h[rows].T``."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    pid_m = pid_m * BLOCK_PARTS + PART
     if pid_m * BLOCK_M >= tl.load(num_rows_padded_ptr):
         return
     expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
@@ -847,81 +864,105 @@ def fused_moe_with_config(
     # Unused in the sorted layout: a real int32 tensor, never read.
     unused = routing.block_expert_ids
     table = (routing.block_slots, routing.block_rows) if routing.is_table else (unused, unused)
-    grid1 = (num_m_blocks * triton.cdiv(inter, cfg.block_n),)
-    _gate_up_kernel[grid1](
-        hidden,
-        w13,
-        h,
-        b13,
-        s13,
-        routing.sorted_pair_ids,
-        routing.block_expert_ids,
-        routing.num_rows_padded,
-        *table,
-        num_pairs,
-        num_m_blocks,
-        hidden_size,
-        inter,
-        hidden.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        h.stride(0),
-        b13.stride(0),
-        s13.stride(0),
-        s13.stride(1),
-        extras.swiglu_alpha,
-        extras.swiglu_limit,
-        TOP_K=top_k,
-        ACTIVATION=activation,
-        HAS_BIAS=extras.b13 is not None,
-        INTERLEAVED=extras.interleaved,
-        MXFP4=mxfp4,
-        MX_NATIVE=native,
-        A_FORMAT=a_format,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        EVEN_K=hidden_size % cfg.block_k == 0,
-        PAIR_TABLE=routing.is_table,
-        **_launch_options(cfg),
-    )
-    grid2 = (num_m_blocks * triton.cdiv(hidden_size, cfg.block_n),)
-    _down_kernel[grid2](
-        h,
-        w2,
-        y,
-        b2,
-        s2,
-        weights,
-        routing.sorted_pair_ids,
-        routing.block_expert_ids,
-        routing.num_rows_padded,
-        *table,
-        num_pairs,
-        num_m_blocks,
-        hidden_size,
-        inter,
-        h.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        y.stride(0),
-        b2.stride(0),
-        s2.stride(0),
-        s2.stride(1),
-        HAS_BIAS=extras.b2 is not None,
-        MXFP4=mxfp4,
-        MX_NATIVE=native,
-        A_FORMAT=a_format,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0,
-        PAIR_TABLE=routing.is_table,
-        **_launch_options(cfg),
-    )
+
+    def launch(part: int, parts: int) -> None:
+        blocks = triton.cdiv(num_m_blocks - part, parts)  # row blocks part, part + parts, ...
+        # The pairs' grouping and the sizes, as both kernels take them.
+        grouped = (
+            routing.sorted_pair_ids,
+            routing.block_expert_ids,
+            routing.num_rows_padded,
+            *table,
+            num_pairs,
+            blocks,
+            hidden_size,
+            inter,
+        )
+        common = dict(
+            MXFP4=mxfp4,
+            MX_NATIVE=native,
+            A_FORMAT=a_format,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            PAIR_TABLE=routing.is_table,
+            BLOCK_PARTS=parts,
+            PART=part,
+            **_launch_options(cfg),
+        )
+        grid1 = (blocks * triton.cdiv(inter, cfg.block_n),)
+        _gate_up_kernel[grid1](
+            hidden,
+            w13,
+            h,
+            b13,
+            s13,
+            *grouped,
+            hidden.stride(0),
+            w13.stride(0),
+            w13.stride(1),
+            h.stride(0),
+            b13.stride(0),
+            s13.stride(0),
+            s13.stride(1),
+            extras.swiglu_alpha,
+            extras.swiglu_limit,
+            TOP_K=top_k,
+            ACTIVATION=activation,
+            HAS_BIAS=extras.b13 is not None,
+            INTERLEAVED=extras.interleaved,
+            EVEN_K=hidden_size % cfg.block_k == 0,
+            **common,
+        )
+        grid2 = (blocks * triton.cdiv(hidden_size, cfg.block_n),)
+        _down_kernel[grid2](
+            h,
+            w2,
+            y,
+            b2,
+            s2,
+            weights,
+            *grouped,
+            h.stride(0),
+            w2.stride(0),
+            w2.stride(1),
+            y.stride(0),
+            b2.stride(0),
+            s2.stride(0),
+            s2.stride(1),
+            HAS_BIAS=extras.b2 is not None,
+            EVEN_K=inter % cfg.block_k == 0,
+            **common,
+        )
+
+    parts = expert_parts(num_tokens * top_k / num_experts, num_m_blocks)
+    run_in_parts(launch, parts, hidden.device)
     return _pair_rows_out(y, num_tokens, top_k, combine)
+
+
+# The MXFP4 fragment GEMMs in one part: split in two they took longer (one layer's
+# experts at T=256, four layers chained on the H200: 270.6 us in one part, 279.2 in
+# two; ``python benchmarks/steady_state.py streams``).  Split by expert instead, so that
+# an expert's two row blocks run together, they gained 3 us chained but the decode step
+# lost 0.24 ms (docs/benchmarks.md).
+FRAGMENT_STREAMS = 1
+
+
+def expert_parts(rows_per_expert: float, num_m_blocks: int, streams: int | None = None) -> int:
+    """How many side-by-side parts the experts' GEMMs run in (``kernels/side_streams.py``).
+
+    Decode-sized steps only (the tiles' 160 rows an expert): there each GEMM is
+    short and its fill and drain are a large share of it, and a second part
+    recovers some (four layers' experts chained at T=256 on the H200, one part
+    against two: OLMoE-1B-7B 216.2 -> 208.7 us a layer, Qwen3-30B-A3B 300.4 ->
+    297.4, DeepSeek-V2-Lite 286.0 -> 281.9; three parts gained no more).
+    Prefill GEMMs run many waves, where the boundaries cost little.
+    """
+    streams = EXPERT_STREAMS if streams is None else streams
+    if rows_per_expert > 160 or num_m_blocks < streams:
+        return 1
+    return streams
 
 
 def _pair_rows_out(y: torch.Tensor, num_tokens: int, top_k: int, combine: bool) -> torch.Tensor:
@@ -995,26 +1036,32 @@ def _fragment_gemms(
         **_launch_options(cfg),
     )
     channels = cfg.block_n // 2  # gate and up rows of each channel
-    _gate_up_fragment_kernel[(num_m_blocks * triton.cdiv(inter, channels),)](
-        hidden, w13, h, b13, s13,
-        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
-        num_pairs, num_m_blocks, hidden_size, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0),
-        s13.stride(0), s13.stride(1),
-        extras.swiglu_alpha, extras.swiglu_limit,
-        TOP_K=num_pairs // num_tokens, ACTIVATION=activation, HAS_BIAS=extras.b13 is not None,
-        BLOCK_N=channels, EVEN_K=hidden_size % cfg.block_k == 0,
-        FULL_STEP=hidden_size >= cfg.block_k, **common,
-    )  # fmt: skip
-    _down_fragment_kernel[(num_m_blocks * triton.cdiv(hidden_size, cfg.block_n),)](
-        h, w2, y, b2, s2, weights,
-        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
-        num_pairs, num_m_blocks, hidden_size, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0),
-        s2.stride(0), s2.stride(1),
-        HAS_BIAS=extras.b2 is not None, BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0,
-        FULL_STEP=inter >= cfg.block_k, **common,
-    )  # fmt: skip
+
+    def launch(part: int, parts: int) -> None:
+        blocks = triton.cdiv(num_m_blocks - part, parts)  # row blocks part, part + parts, ...
+        _gate_up_fragment_kernel[(blocks * triton.cdiv(inter, channels),)](
+            hidden, w13, h, b13, s13,
+            routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
+            num_pairs, blocks, hidden_size, inter,
+            hidden.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0),
+            s13.stride(0), s13.stride(1),
+            extras.swiglu_alpha, extras.swiglu_limit,
+            TOP_K=num_pairs // num_tokens, ACTIVATION=activation, HAS_BIAS=extras.b13 is not None,
+            BLOCK_N=channels, EVEN_K=hidden_size % cfg.block_k == 0,
+            FULL_STEP=hidden_size >= cfg.block_k, BLOCK_PARTS=parts, PART=part, **common,
+        )  # fmt: skip
+        _down_fragment_kernel[(blocks * triton.cdiv(hidden_size, cfg.block_n),)](
+            h, w2, y, b2, s2, weights,
+            routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
+            num_pairs, blocks, hidden_size, inter,
+            h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0),
+            s2.stride(0), s2.stride(1),
+            HAS_BIAS=extras.b2 is not None, BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0,
+            FULL_STEP=inter >= cfg.block_k, BLOCK_PARTS=parts, PART=part, **common,
+        )  # fmt: skip
+
+    parts = expert_parts(num_pairs / w13.shape[0], num_m_blocks, FRAGMENT_STREAMS)
+    run_in_parts(launch, parts, hidden.device)
 
 
 # ---------------------------------------------------------------------------

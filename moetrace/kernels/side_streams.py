@@ -1,0 +1,50 @@
+"""Independent kernel chains side by side, on CUDA streams forked from the current one.
+
+A decode step's experts are two GEMMs in a row, and each pays for filling
+the GPU as it starts and for its last programs draining alone as it ends.
+Split into independent parts (row blocks ``part, part + parts, ...``), one
+part's kernels fill the gaps another's leave.  The parts run on side streams
+that wait for the current stream first and that it waits for after, so the
+caller, eager or inside a CUDA-graph capture (where the fork becomes graph
+branches), sees one ordered call.  Off CUDA (the Triton interpreter) the
+parts run one after another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+# How many parts a decode step's experts run in (1: one stream, as before).
+EXPERT_STREAMS = int(os.environ.get("MOETRACE_EXPERT_STREAMS", "2"))
+
+_SIDE: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+
+def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """``count`` streams kept per device for the side parts (made once, outside any capture)."""
+    streams = _SIDE.setdefault(device, [])
+    while len(streams) < count:
+        streams.append(torch.cuda.Stream(device))
+    return streams[:count]
+
+
+def run_in_parts(launch: Callable[[int, int], None], parts: int, device: torch.device) -> None:
+    """``launch(part, parts)`` for every part: part 0 on the current stream, the others
+    beside it on side streams, all joined before this returns (in stream order)."""
+    if parts == 1 or device.type != "cuda":
+        for part in range(parts):
+            launch(part, parts)
+        return
+    main = torch.cuda.current_stream(device)
+    sides = side_streams(device, parts - 1)
+    for stream in sides:
+        stream.wait_stream(main)
+    launch(0, parts)
+    for part, stream in enumerate(sides, start=1):
+        with torch.cuda.stream(stream):
+            launch(part, parts)
+    for stream in sides:
+        main.wait_stream(stream)
