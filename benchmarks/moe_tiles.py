@@ -67,12 +67,17 @@ SHAPES = {
 
 
 def fragment_grid(decode: bool) -> list[tm.MoEConfig]:
-    """Fragment-layout MXFP4: token blocks 16-64 (the MMA's N), 128 or 256 weight rows over
-    4 or 8 warps, K steps of 128 or 256, 2-4 stages, register caps; prefill: token blocks of
-    64 and 128."""
+    """Fragment-layout MXFP4: token blocks 16-64 (the MMA's N), 64, 128 or 256 weight rows
+    over 4 or 8 warps, K steps of 128 or 256, 2-4 stages, register caps; prefill: token
+    blocks of 64 and 128.
+
+    The 64-row tiles (one warpgroup's product) compiled for the H200 take 89-98 registers
+    with 32 tokens (five programs a multiprocessor, where the default's 160-163 fit three)
+    and 132-144 with 64 (each weight decoded once an expert at batch 256).
+    """
     if decode:
         shapes = [(bm, bn, w) for bm in (32, 64) for bn, w in ((128, 4), (128, 8), (256, 8))]
-        shapes += [(16, 128, 4)]
+        shapes += [(16, 128, 4), (32, 64, 4), (64, 64, 4)]
         tiles = [
             tm.MoEConfig(bm, bn, bk, 8, w, st, mxfp4_native=False)
             for (bm, bn, w), bk, st in itertools.product(shapes, (128, 256), (2, 3, 4))
