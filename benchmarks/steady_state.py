@@ -166,12 +166,7 @@ def streams() -> None:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/steady_state.py needs CUDA")
-    sections = {
-        "align": align,
-        "attention": attention,
-        "gemms": gemms,
-        "streams": streams,
-    }
+    sections = {"align": align, "attention": attention, "gemms": gemms, "streams": streams}
     for name in sys.argv[1:] or list(sections):
         if name not in sections:
             sys.exit(f"unknown section {name!r}: choose from {', '.join(sections)}")

@@ -24,7 +24,7 @@ _SIDE: dict[torch.device, list[torch.cuda.Stream]] = {}
 
 
 def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
-    """``count`` streams kept per device for the side parts (made once, outside any capture)."""
+    """``count`` streams kept per device for the side parts, made at their first use."""
     streams = _SIDE.setdefault(device, [])
     while len(streams) < count:
         streams.append(torch.cuda.Stream(device))

@@ -42,6 +42,14 @@ class AlignedRouting(NamedTuple):
     def is_table(self) -> bool:
         return self.block_slots is not None
 
+    @property
+    def table_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_slots, block_rows) as the GEMM kernels take them; in the sorted layout
+        a real int32 tensor twice, never read (their ``PAIR_TABLE`` switch is off)."""
+        if self.is_table:
+            return self.block_slots, self.block_rows
+        return self.block_expert_ids, self.block_expert_ids
+
     @classmethod
     def table_for(
         cls, num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device

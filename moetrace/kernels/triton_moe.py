@@ -861,18 +861,14 @@ def fused_moe_with_config(
         _fragment_gemms(hidden, w13, w2, h, y, weights, routing, cfg, activation, extras)
         return _pair_rows_out(y, num_tokens, top_k, combine)
 
-    # Unused in the sorted layout: a real int32 tensor, never read.
-    unused = routing.block_expert_ids
-    table = (routing.block_slots, routing.block_rows) if routing.is_table else (unused, unused)
-
     def launch(part: int, parts: int) -> None:
-        blocks = triton.cdiv(num_m_blocks - part, parts)  # row blocks part, part + parts, ...
+        blocks = _part_blocks(num_m_blocks, part, parts)
         # The pairs' grouping and the sizes, as both kernels take them.
         grouped = (
             routing.sorted_pair_ids,
             routing.block_expert_ids,
             routing.num_rows_padded,
-            *table,
+            *routing.table_args,
             num_pairs,
             blocks,
             hidden_size,
@@ -965,6 +961,12 @@ def expert_parts(rows_per_expert: float, num_m_blocks: int, streams: int | None 
     return streams
 
 
+def _part_blocks(num_m_blocks: int, part: int, parts: int) -> int:
+    """Row blocks ``part``, ``part + parts``, ... below ``num_m_blocks``: how many one part's
+    launch takes (its kernels' ``BLOCK_PARTS``/``PART``)."""
+    return triton.cdiv(num_m_blocks - part, parts)
+
+
 def _pair_rows_out(y: torch.Tensor, num_tokens: int, top_k: int, combine: bool) -> torch.Tensor:
     """The down GEMM's pair rows ``[T k, H]`` as ``fused_moe`` returns them: summed over
     k to ``[T, H]``, or (``combine=False``) un-summed ``[T, k, H]``."""
@@ -1024,8 +1026,6 @@ def _fragment_gemms(
     b2 = w2 if extras.b2 is None else extras.b2.contiguous()
     fast = hidden.is_cuda and hidden.dtype == torch.bfloat16 and not extras.mxfp4_wide_scales
     num_m_blocks = routing.num_blocks
-    unused = routing.block_expert_ids  # the sorted layout's table pointers: never read
-    table = (routing.block_slots, routing.block_rows) if routing.is_table else (unused, unused)
     common = dict(
         FAST=fast,
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",  # float32: exact products
@@ -1038,10 +1038,10 @@ def _fragment_gemms(
     channels = cfg.block_n // 2  # gate and up rows of each channel
 
     def launch(part: int, parts: int) -> None:
-        blocks = triton.cdiv(num_m_blocks - part, parts)  # row blocks part, part + parts, ...
+        blocks = _part_blocks(num_m_blocks, part, parts)
         _gate_up_fragment_kernel[(blocks * triton.cdiv(inter, channels),)](
             hidden, w13, h, b13, s13,
-            routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
+            routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *routing.table_args,
             num_pairs, blocks, hidden_size, inter,
             hidden.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0),
             s13.stride(0), s13.stride(1),
@@ -1052,7 +1052,7 @@ def _fragment_gemms(
         )  # fmt: skip
         _down_fragment_kernel[(blocks * triton.cdiv(hidden_size, cfg.block_n),)](
             h, w2, y, b2, s2, weights,
-            routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *table,
+            routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *routing.table_args,
             num_pairs, blocks, hidden_size, inter,
             h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0),
             s2.stride(0), s2.stride(1),
