@@ -1,6 +1,6 @@
 """Decode-step kernels timed in steady state: many calls chained in one CUDA graph.
 
-    python benchmarks/steady_state.py [align] [attention] [gemms] [streams]
+    python benchmarks/steady_state.py [align] [attention] [splits] [gemms] [streams]
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
@@ -8,6 +8,11 @@ and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
 ``attention_tiles.py``'s shapes, chained and, beside it, one graph replay timed
 by ``do_bench`` (what ``attention_tiles.py`` reports), to show what the single
 replay adds.
+``splits``: the same decode attention chained with its keys in 1, 2 and 4 splits
+(the decode class's split-K, merged by a second launch), whatever
+``triton_attention._num_splits`` would pick: at batch 256 a Qwen3-30B-A3B
+layer has 1,024 (sequence, KV head) programs, about two waves, so a split
+trades the second wave's fill and drain for the merge.
 ``gemms``: the decode step's projection GEMMs at M=256 (``projection_gemms.py``'s
 shapes) under each BLAS library torch offers
 (``torch.backends.cuda.preferred_blas_library``).
@@ -60,22 +65,48 @@ def align() -> None:
             print(f"align {name:17s} T={tokens:<5d} " + "  ".join(row), flush=True)
 
 
+def _attention_calls(shape, ctx: int) -> tuple[list, float]:
+    """Decode attention calls at batch 256 and context ``ctx`` whose KV together pass the
+    L2, and the µs one call's KV takes at the HBM bound."""
+    kv_bytes = 2 * 256 * min(ctx, shape.window or ctx) * shape.kv_heads * shape.dim * 2
+    copies = max(1, -(-150_000_000 // kv_bytes))
+    batches = [attention_tiles.build(shape, 256, ctx) for _ in range(copies)]
+    calls = []
+    for i in range(max(8, copies)):
+        q, kc, vc, meta, sinks = batches[i % copies]
+        calls.append(partial(
+            triton_attention.paged_attention, q, kc, vc, meta, shape.dim**-0.5,
+            sliding_window=shape.window, sinks=sinks, out=torch.empty_like(q),
+        ))  # fmt: skip
+    return calls, kv_bytes / projection_gemms.HBM_BYTES_S * 1e6
+
+
+def splits() -> None:
+    default = triton_attention._num_splits
+    try:
+        for name, shape in attention_tiles.SHAPES.items():
+            for ctx in (320, 1024):
+                calls, bound = _attention_calls(shape, ctx)
+                row = []
+                for n in (1, 2, 4):
+                    triton_attention._num_splits = lambda *_, n=n: n
+                    row.append(
+                        f"{n} split{'s' if n > 1 else ' '} {graph_replay.chained_us(calls):6.1f}"
+                    )
+                print(
+                    f"splits {name:15s} ctx {ctx:4d} (bound {bound:5.1f} us): " + "  ".join(row),
+                    flush=True,
+                )
+    finally:
+        triton_attention._num_splits = default
+
+
 def attention() -> None:
     for name, shape in attention_tiles.SHAPES.items():
         for ctx in (320, 1024):
-            kv_bytes = 2 * 256 * min(ctx, shape.window or ctx) * shape.kv_heads * shape.dim * 2
-            copies = max(1, -(-150_000_000 // kv_bytes))  # together past the L2
-            batches = [attention_tiles.build(shape, 256, ctx) for _ in range(copies)]
-            calls = []
-            for i in range(max(8, copies)):
-                q, kc, vc, meta, sinks = batches[i % copies]
-                calls.append(partial(
-                    triton_attention.paged_attention, q, kc, vc, meta, shape.dim**-0.5,
-                    sliding_window=shape.window, sinks=sinks, out=torch.empty_like(q),
-                ))  # fmt: skip
+            calls, bound = _attention_calls(shape, ctx)
             chained = graph_replay.chained_us(calls)
             single = bench(graphed(calls[0])) * 1e3
-            bound = kv_bytes / projection_gemms.HBM_BYTES_S * 1e6
             print(
                 f"attention {name:15s} ctx {ctx:4d}: chained {chained:6.1f} us ({chained / bound:.2f}x"
                 f" of {bound:.1f}), one replay by do_bench {single:6.1f} us",
@@ -166,7 +197,10 @@ def streams() -> None:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/steady_state.py needs CUDA")
-    sections = {"align": align, "attention": attention, "gemms": gemms, "streams": streams}
+    sections = {
+        "align": align, "attention": attention, "splits": splits, "gemms": gemms,
+        "streams": streams,
+    }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:
             sys.exit(f"unknown section {name!r}: choose from {', '.join(sections)}")
