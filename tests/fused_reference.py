@@ -31,14 +31,16 @@ def unfused_add_norm(
     weight: torch.Tensor,
     eps: float,
     extra: torch.Tensor | None = None,
+    weight_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, new residual): the top-k sum (in the fused kernel's order), ``+ extra``,
-    torch's add, ``rms_norm``."""
+    torch's add, ``rms_norm`` (gpt-oss's with ``weight_in_float32``)."""
     out = x if x.dim() == 2 else fixed_order_sum(x)
     if extra is not None:
         out = out + extra
     new_residual = residual + out
-    return rms_norm(new_residual, weight, eps), new_residual
+    normed = rms_norm(new_residual, weight, eps, weight_in_float32=weight_in_float32)
+    return normed, new_residual
 
 
 def unfused_qkv(

@@ -25,11 +25,14 @@ pytestmark = [
 CUDA = torch.device("cuda")
 TOKENS = [1, 37, 256, 2048]
 HIDDEN = 2048  # Qwen3-30B-A3B, OLMoE-1B-7B and DeepSeek-V2-Lite alike
-# (what feeds the residual add): top_k 0 = a [T, H] output; shared = DeepSeek's shared experts
+# (what feeds the residual add): top_k 0 = a [T, H] output; shared = DeepSeek's shared
+# experts; the width; gpt-oss's norm (the weight times the float32 row)
 RESIDUAL_CASES = {
-    "attention": (0, False),
-    "qwen3/olmoe experts": (8, False),
-    "deepseek-v2-lite experts": (6, True),
+    "attention": (0, False, HIDDEN, False),
+    "qwen3/olmoe experts": (8, False, HIDDEN, False),
+    "deepseek-v2-lite experts": (6, True, HIDDEN, False),
+    "gpt-oss attention": (0, False, 2880, True),
+    "gpt-oss experts": (4, False, 2880, True),
 }
 
 
@@ -48,12 +51,19 @@ def test_add_rms_norm_is_the_unfused_cuda_sequence(tokens, case, dtype):
 
     from moetrace.kernels.triton_residual import add_rms_norm
 
-    top_k, shared = RESIDUAL_CASES[case]
-    for eps in (1e-6, 1e-5):  # Qwen3 / DeepSeek, OLMoE
-        inputs = residual_inputs(tokens, HIDDEN, top_k, dtype, CUDA, seed=tokens, extra=shared)
-        ref_out, ref_residual = unfused_add_norm(**inputs, eps=eps)
+    top_k, shared, hidden, weight_in_float32 = RESIDUAL_CASES[case]
+    for eps in (1e-6, 1e-5):  # Qwen3 / DeepSeek, OLMoE and gpt-oss
+        inputs = residual_inputs(tokens, hidden, top_k, dtype, CUDA, seed=tokens, extra=shared)
+        ref_out, ref_residual = unfused_add_norm(
+            **inputs, eps=eps, weight_in_float32=weight_in_float32
+        )
         out, residual = add_rms_norm(
-            inputs["x"], inputs["residual"], inputs["weight"], eps, extra=inputs["extra"]
+            inputs["x"],
+            inputs["residual"],
+            inputs["weight"],
+            eps,
+            extra=inputs["extra"],
+            weight_in_float32=weight_in_float32,
         )
         assert same_bits(residual, ref_residual)
         assert same_bits(out, ref_out)  # the norm: rms_norm's bits on the same row

@@ -122,7 +122,12 @@ def test_fused_norm_kernels_reduce_as_rms_norm_and_fuse_no_fma(block, warps):
     want = _reduce_layouts(norm)
     assert len(want) == 1
     add = {"BLOCK_D": block, "ROWS": 8, "HAS_EXTRA": True, "STORE_RESIDUAL": True}
-    add_ir, add_ptx = _ttgir_and_ptx(triton_residual._add_rms_norm_kernel, bf16, add, warps)
+    add_ir, add_ptx = _ttgir_and_ptx(
+        triton_residual._add_rms_norm_kernel, bf16, {**add, "WEIGHT_IN_FLOAT32": False}, warps
+    )
+    gpt_oss_ir, gpt_oss_ptx = _ttgir_and_ptx(
+        triton_residual._add_rms_norm_kernel, bf16, {**add, "WEIGHT_IN_FLOAT32": True}, warps
+    )
     heads = block // 128
     qkv = {
         "NUM_HEADS": max(heads, 4), "NUM_KV_HEADS": heads if heads > 1 else 2, "HEAD_DIM": 128,
@@ -131,4 +136,6 @@ def test_fused_norm_kernels_reduce_as_rms_norm_and_fuse_no_fma(block, warps):
     }  # fmt: skip
     qkv_ir, qkv_ptx = _ttgir_and_ptx(triton_qkv._qkv_rope_store_kernel, bf16, qkv, warps)
     assert _reduce_layouts(add_ir) == want and _reduce_layouts(qkv_ir) == want
-    assert "fma.rn.f32" not in add_ptx and "fma.rn.f32" not in qkv_ptx
+    assert _reduce_layouts(gpt_oss_ir) == want
+    ptxs = [add_ptx, gpt_oss_ptx, qkv_ptx]
+    assert all("fma.rn.f32" not in ptx for ptx in ptxs)

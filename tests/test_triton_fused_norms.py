@@ -50,24 +50,39 @@ NORM_DTYPES = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
         (19, 200, 6, True, True),  # rows plus shared experts, strided
         (3, 64, 1, False, False),  # top-1: one row, no sum
         (11, 96, 2, True, False),
+        (13, 2880, 4, False, False),  # gpt-oss's width and top-k
     ],
 )
-def test_add_rms_norm_equals_the_unfused_sequence(dtype, tokens, hidden, top_k, extra, strided):
+@pytest.mark.parametrize("weight_in_float32", [False, True], ids=["weight-after", "weight-fp32"])
+def test_add_rms_norm_equals_the_unfused_sequence(
+    dtype, tokens, hidden, top_k, extra, strided, weight_in_float32
+):
     case = residual_inputs(
         tokens, hidden, top_k, dtype, DEVICE, seed=tokens * 7 + hidden, extra=extra, strided=strided
     )
-    ref_out, ref_residual = unfused_add_norm(**case, eps=1e-6)
-    out, residual = add_rms_norm(
-        case["x"], case["residual"], case["weight"], 1e-6, extra=case["extra"]
-    )
+    ref_out, ref_residual = unfused_add_norm(**case, eps=1e-6, weight_in_float32=weight_in_float32)
+    fused = dict(extra=case["extra"], weight_in_float32=weight_in_float32)
+    out, residual = add_rms_norm(case["x"], case["residual"], case["weight"], 1e-6, **fused)
     assert out.is_contiguous() and residual.is_contiguous()
     assert same_bits(residual, ref_residual)
     assert same_bits(out, ref_out)
     # The final norm: no residual written, the same normed row.
     alone, none = add_rms_norm(
-        case["x"], case["residual"], case["weight"], 1e-6, extra=case["extra"], keep_residual=False
+        case["x"], case["residual"], case["weight"], 1e-6, keep_residual=False, **fused
     )
     assert none is None and same_bits(alone, ref_out)
+
+
+def test_the_two_weight_roundings_differ():
+    """Weighting the rounded row and rounding the float32 product differ in many elements,
+    so the test above can tell a kernel that took the wrong one."""
+    case = residual_inputs(37, 2880, 4, torch.float16, DEVICE, seed=5)
+    case["weight"] = case["weight"] * 1.37  # a weight that is not near one
+    after, _ = add_rms_norm(case["x"], case["residual"], case["weight"], 1e-6)
+    fp32, _ = add_rms_norm(
+        case["x"], case["residual"], case["weight"], 1e-6, weight_in_float32=True
+    )
+    assert (after != fp32).float().mean() > 0.01
 
 
 def test_the_top_k_sum_rounds_once():
@@ -211,7 +226,7 @@ def test_a_model_on_the_kernels_computes_the_same_fused(family, tmp_path, monkey
     for a, b in zip(fused, plain, strict=True):
         assert same_bits(a, b)
     layers = len(model.layers)
-    if family in ("gpt_oss", "phimoe"):  # norms of their own (LayerNorm): the torch add
+    if family == "phimoe":  # LayerNorm: the torch add
         assert add.calls == 0
     else:  # every norm but the first layer's input norm, per step
         assert add.calls == 2 * (2 * layers)

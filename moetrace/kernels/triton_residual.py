@@ -21,7 +21,8 @@ Rounding, step by step as the unfused sequence rounds:
   add, bit for bit;
 * the norm as ``triton_norm._rms_norm_kernel`` computes it on that row: the
   same 1-D block and warps, the same reduction (``rms_rstd``) and roundings
-  (``rms_scale``), so the normed row is bit-identical to that kernel's
+  (``rms_scale``; with ``weight_in_float32``, gpt-oss's, the weight times the
+  float32 row, rounded once), so the normed row is bit-identical to that kernel's
   where the rows are 16-byte aligned, as the layers check
   (``layers/residual.sixteen_byte_rows``: Triton lays a row out by the
   alignment it can prove, and the sum follows the layout).
@@ -58,6 +59,7 @@ def _add_rms_norm_kernel(
     ROWS: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr,
+    WEIGHT_IN_FLOAT32: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Token ``t``: ``r = residual + (sum of ROWS rows [+ extra])``; store ``r`` and ``norm(r)``."""
@@ -80,7 +82,11 @@ def _add_rms_norm_kernel(
         tl.store(res_out_ptr + t * dim + d, narrow(x, ty), mask=ok)
     rstd = rms_rstd(x, inv_dim, eps)
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * dim + d, narrow(rms_scale(x, rstd, w, ty), ty), mask=ok)
+    if WEIGHT_IN_FLOAT32:
+        y = round_to(w * (x * rstd), ty)
+    else:
+        y = rms_scale(x, rstd, w, ty)
+    tl.store(out_ptr + t * dim + d, narrow(y, ty), mask=ok)
 
 
 def _rows_of(x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +104,10 @@ def add_rms_norm(
     *,
     extra: torch.Tensor | None = None,
     keep_residual: bool = True,
+    weight_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(rms_norm(r), r)`` for ``r = residual + x`` (see the module doc for the roundings).
+    """``(rms_norm(r), r)`` for ``r = residual + x`` (see the module doc for the roundings;
+    ``weight_in_float32`` as ``triton_norm.rms_norm``'s).
 
     ``x``: a sub-layer's output ``[T, H]``, or an MoE layer's un-summed rows
     ``[T, k, H]`` (summed first); ``extra [T, H]`` is added to that sum before
@@ -140,6 +148,7 @@ def add_rms_norm(
         ROWS=k,
         HAS_EXTRA=extra is not None,
         STORE_RESIDUAL=keep_residual,
+        WEIGHT_IN_FLOAT32=weight_in_float32,
         BLOCK_D=launch.block,
         num_warps=launch.num_warps,  # rms_norm's: the sum's order follows the layout
         enable_fp_fusion=False,  # as rms_norm: no product fused into an add

@@ -8,6 +8,9 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     kernel_half_only = True  # the Triton kernel rounds like this path only for 16-bit inputs
+    # False: the normalised row is rounded to the input dtype, then weighted (most
+    # references); True: the weight multiplies the float32 row, rounded once (gpt-oss's).
+    weight_in_float32 = False
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -19,7 +22,11 @@ class RMSNorm(nn.Module):
         if self.use_triton:
             from moetrace.kernels.triton_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, weight_in_float32=self.weight_in_float32)
+        if self.weight_in_float32:
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight.to(torch.float32) * h).to(x.dtype)
         dtype = x.dtype
         h = x.to(torch.float32) if dtype != torch.float64 else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -79,19 +79,26 @@ def sixteen_byte_rows(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def plain_kernel_norm(norm: nn.Module) -> bool:
-    """Whether ``norm`` is a plain ``RMSNorm`` on its kernel, which the fused kernels
-    round as (a subclass that rounds its own way, gpt-oss's, overrides ``forward``)."""
+def kernel_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is an ``RMSNorm`` on its kernel, rounding either of the two ways
+    that kernel does (``RMSNorm.weight_in_float32``); a subclass that overrides
+    ``forward`` rounds its own way."""
     return isinstance(norm, RMSNorm) and norm.use_triton and type(norm).forward is RMSNorm.forward
 
 
+def plain_kernel_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is a plain ``RMSNorm`` on its kernel (the weight times the rounded
+    row), which every fused kernel rounds as."""
+    return kernel_norm(norm) and not norm.weight_in_float32
+
+
 def _fused(norm: nn.Module, out: SubLayerOutput, residual: torch.Tensor) -> bool:
-    """Whether the add+norm kernel computes this norm: a plain one on its kernel
-    (``plain_kernel_norm``), on aligned rows (``sixteen_byte_rows``)."""
+    """Whether the add+norm kernel computes this norm: one on its kernel (``kernel_norm``),
+    on aligned rows (``sixteen_byte_rows``)."""
     rows, extra = out if isinstance(out, ExpertRows) else (out, None)
     return (
         FUSED_NORMS
-        and plain_kernel_norm(norm)
+        and kernel_norm(norm)
         and residual.dtype in (torch.bfloat16, torch.float16)
         and sixteen_byte_rows(rows, extra, residual)
     )
@@ -115,7 +122,13 @@ def add_norm(
 
         rows, extra = out if isinstance(out, ExpertRows) else (out, None)
         return add_rms_norm(
-            rows, residual, norm.weight, norm.eps, extra=extra, keep_residual=keep_residual
+            rows,
+            residual,
+            norm.weight,
+            norm.eps,
+            extra=extra,
+            keep_residual=keep_residual,
+            weight_in_float32=norm.weight_in_float32,
         )
     residual = residual + total(out)
     return norm(residual), residual

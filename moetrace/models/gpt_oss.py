@@ -33,6 +33,7 @@ from moetrace.errors import ModelError
 from moetrace.layers.moe import MoEExperts, RoutingRule, topk_softmax, topk_softmax_weights
 from moetrace.layers.mxfp4 import quant_method
 from moetrace.layers.norm import RMSNorm
+from moetrace.layers.residual import SubLayerOutput
 from moetrace.layers.rotary import RotaryEmbedding, rope_settings
 from moetrace.models.base import MoEBlockBase
 from moetrace.models.common import (
@@ -84,17 +85,12 @@ def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
 class GptOssRMSNorm(RMSNorm):
     """The weight multiplies in float32, before the cast back (the reference keeps it fp32)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from moetrace.kernels.triton_norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, weight_in_float32=True)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(torch.float32) * h).to(x.dtype)
+    weight_in_float32 = True
 
 
 class GptOssBlock(MoEBlockBase):
+    can_keep_rows = True  # its output is the experts': the residual add may sum their rows
+
     def __init__(self, config: dict, weight_format: str) -> None:
         super().__init__()
         hidden = config["hidden_size"]
@@ -124,10 +120,10 @@ class GptOssBlock(MoEBlockBase):
     def weights_for(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return topk_softmax_weights(logits, ids)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, keep_rows: bool = False) -> SubLayerOutput:
         # Logits, top-k and softmax all in the model dtype, as the reference.
         weights, ids = self.route_and_record(self.router(x), x.dtype)
-        return self.experts(x, weights, ids)
+        return self.experts(x, weights, ids, keep_rows=keep_rows)
 
 
 class GptOssAttention(FusedQKVAttention):
