@@ -131,11 +131,17 @@ def test_fused_norm_kernels_reduce_as_rms_norm_and_fuse_no_fma(block, warps):
     heads = block // 128
     qkv = {
         "NUM_HEADS": max(heads, 4), "NUM_KV_HEADS": heads if heads > 1 else 2, "HEAD_DIM": 128,
-        "GROUP": heads, "NORM": True, "BLOCK_N": block, "BLOCK_G": heads, "BLOCK_HALF": 64,
-        "BLOCK_D": 128, "BLOCK_SIZE": 16,
+        "GROUP": heads, "NORM": True, "PER_HEAD": False, "BLOCK_N": block, "BLOCK_G": heads,
+        "BLOCK_HALF": 64, "BLOCK_D": 128, "BLOCK_SIZE": 16,
     }  # fmt: skip
     qkv_ir, qkv_ptx = _ttgir_and_ptx(triton_qkv._qkv_rope_store_kernel, bf16, qkv, warps)
     assert _reduce_layouts(add_ir) == want and _reduce_layouts(qkv_ir) == want
     assert _reduce_layouts(gpt_oss_ir) == want
     ptxs = [add_ptx, gpt_oss_ptx, qkv_ptx]
+    if block == 128:  # a head's norm, four heads a program (Qwen3's): each head's row as one
+        per_head = {**qkv, "NUM_HEADS": 8, "NUM_KV_HEADS": 4, "GROUP": 4, "BLOCK_G": 4}
+        per_head["PER_HEAD"] = True
+        head_ir, head_ptx = _ttgir_and_ptx(triton_qkv._qkv_rope_store_kernel, bf16, per_head, warps)
+        assert _reduce_layouts(head_ir) == want
+        ptxs.append(head_ptx)
     assert all("fma.rn.f32" not in ptx for ptx in ptxs)

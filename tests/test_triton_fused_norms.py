@@ -122,11 +122,14 @@ def test_add_rms_norm_refuses_what_it_does_not_round_like():
 QKV_SHAPES = [
     # (tokens, q heads, kv heads, head_dim, norm)
     (1, 8, 2, 128, "head"),
+    (23, 32, 4, 128, "head"),  # Qwen3-30B-A3B's heads: four a program, each its own norm
+    (19, 16, 8, 32, "head"),  # eight a program
     (37, 5, 1, 64, "head"),  # odd head counts
     (13, 3, 3, 24, "head"),  # half a head (12) is no power of two
     (21, 4, 4, 128, "full"),
     (9, 3, 3, 40, "full"),  # norm width 120 in a 128 block
     (17, 6, 2, 128, None),
+    (11, 64, 8, 64, None),  # gpt-oss-20b's heads, eight a program
     (7, 7, 7, 16, None),
 ]
 

@@ -8,9 +8,13 @@ launch reads it once, writes q (normed and rotated, contiguous, for
 attention) and puts k and v straight into the paged caches at the step's
 slots (tokens with a negative slot, padding, write nothing).
 
-A program owns one norm group of one token: one head (Qwen3's per-head
-norm, and heads without a norm) or every head of q or of k (OLMoE's norm
-over the whole projection).  Bit-identical to the five launches on
+A program owns a few heads of one token: up to eight of q or of k
+(``heads_per_program``; Qwen3's per-head norm takes each head's statistics
+apart, heads without a norm take none), or every head of q or of k (OLMoE's
+norm over the whole projection).  A head a program was the first layout: at
+batch 256 that launched 9,216 one-warp programs for Qwen3-30B-A3B and 18,432
+for gpt-oss-20b, and scheduling them took longer than their bytes.
+Bit-identical to the five launches on
 16-byte-aligned rows (``layers/residual.sixteen_byte_rows``, which the layers
 check: on others Triton may lay the norm's row out otherwise than in
 ``rms_norm``, and the sum of squares then runs in another order):
@@ -57,20 +61,33 @@ def _normed_rotated(
     dtype: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NORM: tl.constexpr,
+    PER_HEAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One group's heads ``src + h * HEAD_DIM`` normed (``NORM``) and rotated: (first, second)
-    halves ``[BLOCK_G, BLOCK_HALF]`` in float32, holding ``dtype`` values."""
+    """A program's heads ``src + h * HEAD_DIM`` normed (``NORM``: each head apart with
+    ``PER_HEAD``, else all together) and rotated: (first, second) halves
+    ``[BLOCK_G, BLOCK_HALF]`` in float32, holding ``dtype`` values."""
     HALF: tl.constexpr = HEAD_DIM // 2
     off = h * HEAD_DIM + i
     f1 = tl.load(src + off, mask=ok, other=0.0).to(tl.float32)
     f2 = tl.load(src + off + HALF, mask=ok, other=0.0).to(tl.float32)
     if NORM:
         n = tl.arange(0, BLOCK_N)
-        row = tl.load(src + n, mask=n < norm_dim, other=0.0).to(tl.float32)
-        rstd = rms_rstd(row, inv_dim, eps)
-        w1 = tl.load(w_ptr + off, mask=ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + off + HALF, mask=ok, other=0.0).to(tl.float32)
+        if PER_HEAD:
+            # Each head's statistics over a 1-D row, as rms_norm lays it out (the sum's
+            # order follows the layout), then placed in that head's row of the tile.
+            rstd = tl.zeros([BLOCK_G, 1], dtype=tl.float32)
+            for j in tl.static_range(BLOCK_G):
+                row = tl.load(src + j * HEAD_DIM + n, mask=n < norm_dim, other=0.0)
+                rstd = tl.where(h == j, rms_rstd(row.to(tl.float32), inv_dim, eps), rstd)
+            w_off = i  # one [HEAD_DIM] weight for every head
+        else:
+            row = tl.load(src + n, mask=n < norm_dim, other=0.0).to(tl.float32)
+            rstd = rms_rstd(row, inv_dim, eps)
+            w_off = off
+        w1 = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + w_off + HALF, mask=ok, other=0.0).to(tl.float32)
         f1 = rms_scale(f1, rstd, w1, dtype)
         f2 = rms_scale(f2, rstd, w2, dtype)
     return rotate_halves(f1, f2, c1, c2, s1, s2, dtype)
@@ -104,13 +121,15 @@ def _qkv_rope_store_kernel(
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     NORM: tl.constexpr,
+    PER_HEAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """Token ``t``, group ``g``: q groups first (to ``q_out``), then k groups (k and v to the caches)."""
+    """Token ``t``, group ``g`` of ``GROUP`` heads: q groups first (to ``q_out``), then k groups
+    (k and v to the caches)."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -130,7 +149,7 @@ def _qkv_rope_store_kernel(
         head0 = g * GROUP
         lo, hi = _normed_rotated(
             row + head0 * HEAD_DIM, q_weight_ptr, c1, c2, s1, s2, norm_dim, inv_dim, q_eps,
-            h, i, ok, dtype, HEAD_DIM, NORM, BLOCK_N,
+            h, i, ok, dtype, HEAD_DIM, NORM, PER_HEAD, BLOCK_G, BLOCK_N,
         )  # fmt: skip
         dst = q_out_ptr + (t * NUM_HEADS + head0 + h) * HEAD_DIM + i
         tl.store(dst, narrow(lo, dtype), mask=ok)
@@ -139,7 +158,7 @@ def _qkv_rope_store_kernel(
         head0 = (g - Q_GROUPS) * GROUP
         lo, hi = _normed_rotated(
             row + (NUM_HEADS + head0) * HEAD_DIM, k_weight_ptr, c1, c2, s1, s2, norm_dim,
-            inv_dim, k_eps, h, i, ok, dtype, HEAD_DIM, NORM, BLOCK_N,
+            inv_dim, k_eps, h, i, ok, dtype, HEAD_DIM, NORM, PER_HEAD, BLOCK_G, BLOCK_N,
         )  # fmt: skip
         slot = tl.load(slot_ptr + t).to(tl.int64)
         # Negative slots mark padding tokens (a CUDA graph's unused rows): as store_kv.
@@ -154,6 +173,15 @@ def _qkv_rope_store_kernel(
             v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + head0 + h) * HEAD_DIM + e, mask=v_ok)
             vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + (head0 + h) * stride_vch + e
             tl.store(vc, v.to(vc.dtype.element_ty), mask=v_ok)
+
+
+def heads_per_program(num_heads: int, num_kv_heads: int, most: int = 8) -> int:
+    """Heads a program takes where no norm spans them all: the largest power of two up to
+    ``most`` dividing both head counts (so no program straddles q and k)."""
+    group = 1
+    while group < most and num_heads % (2 * group) == 0 and num_kv_heads % (2 * group) == 0:
+        group *= 2
+    return group
 
 
 def qkv_rope_store(
@@ -204,9 +232,12 @@ def qkv_rope_store(
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
-    group = num_heads if norm == "full" else 1
-    norm_dim = group * d
+    group = num_heads if norm == "full" else heads_per_program(num_heads, num_kv_heads)
+    norm_dim = group * d if norm == "full" else d
     launch = norm_launch(norm_dim)
+    # The norm's reduction needs rms_norm's warps for its row; without one, a warp per
+    # 256 values of the program's heads.
+    warps = launch.num_warps if norm is not None else norm_launch(group * d).num_warps
     weights = (q_weight, k_weight) if norm is not None else (q, q)  # unused without a norm
     _qkv_rope_store_kernel[(t, num_heads // group + num_kv_heads // group)](
         qkv,
@@ -234,12 +265,13 @@ def qkv_rope_store(
         HEAD_DIM=d,
         GROUP=group,
         NORM=norm is not None,
+        PER_HEAD=norm == "head",
         BLOCK_N=launch.block,
         BLOCK_G=triton.next_power_of_2(group),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_SIZE=k_cache.shape[1],
-        num_warps=launch.num_warps,  # rms_norm's for the group: the sum follows the layout
+        num_warps=warps,
         enable_fp_fusion=False,  # as rms_norm: no product fused into an add
     )
     return q
