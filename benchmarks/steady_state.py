@@ -1,6 +1,6 @@
 """Decode-step kernels timed in steady state: many calls chained in one CUDA graph.
 
-    python benchmarks/steady_state.py [align] [attention] [splits] [gemms] [streams]
+    python benchmarks/steady_state.py [align] [attention] [splits] [sinks] [gemms] [streams]
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
@@ -13,6 +13,10 @@ replay adds.
 ``triton_attention._num_splits`` would pick: at batch 256 a Qwen3-30B-A3B
 layer has 1,024 (sequence, KV head) programs, about two waves, so a split
 trades the second wave's fill and drain for the merge.
+``sinks``: gpt-oss-20b's decode attention (full layers at contexts 320 to 4096, window
+layers at 320), its rows' scores kept in scratch up to
+``triton_attention.SINK_SCRATCH_KEYS`` keys (K read once) against the three
+passes over K.
 ``gemms``: the decode step's projection GEMMs at M=256 (``projection_gemms.py``'s
 shapes) under each BLAS library torch offers
 (``torch.backends.cuda.preferred_blas_library``).
@@ -99,6 +103,26 @@ def splits() -> None:
                 )
     finally:
         triton_attention._num_splits = default
+
+
+def sinks() -> None:
+    default = triton_attention.SINK_SCRATCH_KEYS
+    try:
+        for name, contexts in (("gpt-oss", (320, 1024, 2048, 4096)), ("gpt-oss-window", (320,))):
+            shape = attention_tiles.SHAPES[name]
+            for ctx in contexts:
+                calls, bound = _attention_calls(shape, ctx)
+                row = []
+                for keys in (0, default):
+                    triton_attention.SINK_SCRATCH_KEYS = keys
+                    label = "three passes" if keys == 0 else f"scratch up to {keys} keys"
+                    row.append(f"{label} {graph_replay.chained_us(calls):6.1f}")
+                print(
+                    f"sinks {name:15s} ctx {ctx:4d} (bound {bound:5.1f} us): " + "  ".join(row),
+                    flush=True,
+                )
+    finally:
+        triton_attention.SINK_SCRATCH_KEYS = default
 
 
 def attention() -> None:
@@ -198,8 +222,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/steady_state.py needs CUDA")
     sections = {
-        "align": align, "attention": attention, "splits": splits, "gemms": gemms,
-        "streams": streams,
+        "align": align, "attention": attention, "splits": splits, "sinks": sinks,
+        "gemms": gemms, "streams": streams,
     }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:

@@ -59,14 +59,16 @@ def test_rms_norm_fuses_no_product_into_an_add(weight_in_float32):
     assert "fma.rn.f32" in fused
 
 
-@pytest.mark.parametrize("one_tile", [0, 128])  # the key passes; a window layer's one tile
-def test_sink_attention_divides_as_ieee(one_tile):
+# The key passes; a window layer's one tile; scores kept in scratch.
+@pytest.mark.parametrize(("one_tile", "scratch_keys"), [(0, 0), (128, 0), (0, 1024)])
+def test_sink_attention_divides_as_ieee(one_tile, scratch_keys):
     """Each probability is ``exp / sum`` correctly rounded, as torch's softmax divides,
     not the approximate division Triton emits for ``/``."""
     constants = {
         "GROUP": 8, "BLOCK_Q": 2, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 64, "BLOCK_D": 64,
         "BLOCK_SIZE": 16, "NUM_SPLITS": 1, "DECODE_CLASS": True, "USE_WINDOW": True,
         "DOT_PRECISION": "tf32", "HAS_SINKS": True, "PRECISE_EXP": True, "ONE_TILE": one_tile,
+        "SCRATCH_KEYS": scratch_keys,
     }  # fmt: skip
     code = ptx(triton_attention._paged_attention_kernel, constants, num_warps=4, num_stages=2)
     assert "div.rn.f32" in code

@@ -207,3 +207,38 @@ def test_window_decode_in_one_tile_and_in_three_passes():
     got = step.kernel(window, splits=1)
     assert same(got, want) > 0.995, same(got, want)
     assert_close_where_differing(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_scores_in_scratch_are_the_passes_bit_for_bit(window, monkeypatch):
+    """Decode rows with sinks keep their scores in scratch up to ``SINK_SCRATCH_KEYS`` keys
+    and take the three passes beyond: the same tiles, sums and roundings, so the same bits.
+    With the limit at 24 keys this step's rows take both; at 0 every row takes the passes."""
+    step = Step([1, 2, 1, 1, 3], [7, 20, 23, 40, 61], seed=8)
+    want = step.emulate(window)
+    monkeypatch.setattr(triton_attention, "SINK_SCRATCH_KEYS", 0)
+    passes = step.kernel(window, splits=1)
+    for keys in (24, 1024):
+        monkeypatch.setattr(triton_attention, "SINK_SCRATCH_KEYS", keys)
+        got = step.kernel(window, splits=1)
+        assert torch.equal(got.view(torch.int16), passes.view(torch.int16)), keys
+    assert same(passes, want) > 0.995, same(passes, want)
+    assert_close_where_differing(passes, want)
+
+
+def test_the_kv_sizing_sets_the_scratch_aside(tmp_path):
+    """A full batch of decodes takes the scratch that one long sequence (the profiling
+    forward) does not: the KV cache's sizing sets it aside for models with sinks only."""
+    pytest.importorskip("transformers")
+    from hf_reference import make_tiny_checkpoint
+
+    from moetrace.engine.memory import decode_scratch_bytes
+    from moetrace.models.loader import load_model
+
+    for family, sinks in (("gpt_oss", True), ("qwen3_moe", False)):
+        ckpt = make_tiny_checkpoint(family, tmp_path / family, seed=1, dtype=torch.float16)
+        model = load_model(str(ckpt), device="cpu", dtype="float16").model
+        layer = next(model.attention_layers())
+        want = triton_attention.sink_scratch_bytes(256, layer.num_heads, layer.num_kv_heads, 2)
+        assert decode_scratch_bytes(model, 256) == (want if sinks else 0)
+        assert want >= 256 * layer.num_heads * triton_attention.SINK_SCRATCH_KEYS * 2

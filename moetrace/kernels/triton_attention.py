@@ -371,6 +371,67 @@ def _sink_tile(
 
 
 @triton.jit
+def _scratch_passes(
+    q, sink, lo, hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window, scale, d, d_ok,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scores_row, row_ok,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_EXP: tl.constexpr,
+):  # fmt: skip
+    """Attention with sinks over a row's visible keys [lo, hi), reading K once.
+
+    The three passes of ``_passes`` recompute each row's eager scores from K
+    for the max, the sum and the values.  Here the first pass keeps them:
+    each row's rounded scores go to its scratch row (``scores_row``, one per
+    row of the tile, key ``j`` at ``j - lo``) while the max is taken, and the
+    sum and the weighted values read them back.  The scores are already
+    rounded to the model dtype, so the scratch holds them exactly, and the
+    tiles, the order of every sum and every rounding are the passes': the
+    result is theirs bit for bit.  Returns the probability-weighted values.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    m = sink
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        k_off = blk * stride_kb + (j % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        k = tl.load(
+            k_cache_ptr + k_off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        s = _mask_hidden(
+            _eager_scores(q, k, scale, DOT_PRECISION), j, j_ok, pos, window, USE_WINDOW
+        )
+        m = tl.maximum(m, tl.max(s, 1))
+        keep = row_ok[:, None] & j_ok[None, :]
+        tl.store(scores_row[:, None] + (j - lo)[None, :], s.to(q.dtype), mask=keep)
+    tl.debug_barrier()  # every thread's scores are stored before any thread reads them back
+    total = tl.zeros_like(m)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        keep = row_ok[:, None] & (j < hi)[None, :]
+        s = tl.load(scores_row[:, None] + (j - lo)[None, :], mask=keep, other=float("-inf"))
+        total = total + tl.sum(
+            _exp(round_to(s.to(tl.float32) - m[:, None], q.dtype), PRECISE_EXP), 1
+        )
+    total = _exp(round_to(sink - m, q.dtype), PRECISE_EXP) + total
+    acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        keep = row_ok[:, None] & j_ok[None, :]
+        s = tl.load(scores_row[:, None] + (j - lo)[None, :], mask=keep, other=float("-inf"))
+        e = _exp(round_to(s.to(tl.float32) - m[:, None], q.dtype), PRECISE_EXP)
+        p = tl.div_rn(e, total[:, None])  # IEEE division, as torch's softmax divides
+        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        v_off = blk * stride_vb + (j % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _passes(
     q, acc, m_i, l_i, sink, row_lo, row_hi, kv_lo, kv_hi, first_pos, pos, k_cache_ptr,
     v_cache_ptr, bt_row, kv_head, window, score_scale, d, d_ok, stride_kb, stride_ks, stride_kh,
@@ -422,6 +483,7 @@ def _paged_attention_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    scores_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -457,6 +519,7 @@ def _paged_attention_kernel(
     PRECISE_EXP: tl.constexpr,
     HEADS_FAST: tl.constexpr = False,
     ONE_TILE: tl.constexpr = 0,
+    SCRATCH_KEYS: tl.constexpr = 0,
 ):
     """One (query tile, KV head[, key split]) of one class of sequences.
 
@@ -537,13 +600,24 @@ def _paged_attention_kernel(
     else:
         sink = m_i  # unused
     # ONE_TILE > 0 (sinks, decode tiles, no key splits: see _launch_class): rows whose
-    # visible keys fit one tile take it; the others, and every row without, the passes.
+    # visible keys fit one tile take it.  SCRATCH_KEYS > 0 (the same, full layers too):
+    # rows of up to that many keys keep their scores in scratch.  The others, and every
+    # row without sinks, take the passes.
     if (row_hi - row_lo <= ONE_TILE) & (ONE_TILE > 0):
         if ONE_TILE > 0:
             acc = _sink_tile(
                 q, sink, row_lo, row_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window,
                 score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                 stride_vh, ONE_TILE, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, PRECISE_EXP,
+            )  # fmt: skip
+    elif (row_hi - row_lo <= SCRATCH_KEYS) & (SCRATCH_KEYS > 0):
+        if SCRATCH_KEYS > 0:
+            tile_row = (seq.to(tl.int64) * (num_heads // GROUP) + kv_head) * BLOCK_M + rows
+            acc = _scratch_passes(
+                q, sink, row_lo, row_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window,
+                score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, scores_ptr + tile_row * SCRATCH_KEYS, row_ok, BLOCK_N, BLOCK_SIZE,
+                USE_WINDOW, DOT_PRECISION, PRECISE_EXP,
             )  # fmt: skip
     else:
         acc, m_i, l_i = _passes(
@@ -613,6 +687,21 @@ def _combine_kernel(
 
 _SM_COUNT: dict[int, int] = {}
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+
+
+# Decode rows with sinks of up to this many visible keys keep their scores in a scratch
+# row (``_scratch_passes``): K is read once, not three times.  The scratch takes
+# ``sequences x KV heads x tile rows x keys`` values a call (268 MB in bf16 at batch 256
+# for gpt-oss-20b); longer rows take the passes.  Read at each launch (tests change it).
+SINK_SCRATCH_KEYS = 4096
+
+
+def sink_scratch_bytes(num_seqs: int, num_heads: int, num_kv_heads: int, itemsize: int) -> int:
+    """Bytes of the scratch a decode launch with sinks takes for ``num_seqs`` sequences
+    (``_launch_class``): the KV cache's sizing sets them aside, since its profiling
+    forward runs one long sequence, not a full batch of decodes."""
+    block_m = _tile_configs(num_heads // num_kv_heads)[0].block_m
+    return num_seqs * num_kv_heads * block_m * SINK_SCRATCH_KEYS * itemsize
 
 
 def _num_sms(device: torch.device) -> int:
@@ -705,6 +794,16 @@ def _launch_class(
     one_tile = 0
     if sinks is not None and decode and splits == 1 and use_window and sliding_window <= 128:
         one_tile = max(16, triton.next_power_of_2(int(sliding_window)))
+    # Rows that one tile holds never need it (a window layer's single-query rows).
+    scratch_keys = 0
+    if sinks is not None and decode and splits == 1 and not one_tile:
+        scratch_keys = SINK_SCRATCH_KEYS
+    if scratch_keys:  # a row of scores per tile row, for rows of up to scratch_keys keys
+        scores = torch.empty(
+            (num_seqs * num_kv_heads * cfg.block_m, scratch_keys), dtype=q.dtype, device=q.device
+        )
+    else:
+        scores = out  # unused
     if splits > 1:
         part_acc = torch.empty(
             (num_seqs, num_heads, splits, block_d), dtype=torch.float32, device=q.device
@@ -721,6 +820,7 @@ def _launch_class(
         out,
         part_acc,
         part_ml,
+        scores,
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
@@ -757,6 +857,7 @@ def _launch_class(
         PRECISE_EXP=q.is_cuda,
         HEADS_FAST=heads_fast,
         ONE_TILE=one_tile,
+        SCRATCH_KEYS=scratch_keys,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
