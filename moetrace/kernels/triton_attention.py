@@ -284,6 +284,20 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _cache_tile(
+    cache_ptr, bt_row, j, j_ok, kv_head, d, d_ok, stride_b, stride_s, stride_h,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Keys ``j`` (where ``j_ok``) of one KV head from a paged cache, K's or V's:
+    ``[len(j), D]``, zeros where masked."""
+    blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+    off = blk * stride_b + (j % BLOCK_SIZE) * stride_s + kv_head * stride_h
+    return tl.load(
+        cache_ptr + off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
+    )
+
+
+@triton.jit
 def _row_pass(
     q,
     m,
@@ -324,11 +338,10 @@ def _row_pass(
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
-        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-        k_off = blk * stride_kb + (j % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(
-            k_cache_ptr + k_off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
-        )
+        k = _cache_tile(
+            k_cache_ptr, bt_row, j, j_ok, kv_head, d, d_ok, stride_kb, stride_ks, stride_kh,
+            BLOCK_SIZE,
+        )  # fmt: skip
         s = _eager_scores(q, k, scale, DOT_PRECISION)
         s = _mask_hidden(s, j, j_ok, pos, window, USE_WINDOW)
         if SUM:
@@ -371,6 +384,14 @@ def _sink_tile(
 
 
 @triton.jit
+def _kept_scores(scores_row, row_ok, j, lo, hi):
+    """The scores ``_scratch_passes`` stored for keys ``j``, in float32 (-inf from ``hi``)."""
+    keep = row_ok[:, None] & (j < hi)[None, :]
+    s = tl.load(scores_row[:, None] + (j - lo)[None, :], mask=keep, other=float("-inf"))
+    return s.to(tl.float32)
+
+
+@triton.jit
 def _scratch_passes(
     q, sink, lo, hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window, scale, d, d_ok,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scores_row, row_ok,
@@ -393,11 +414,10 @@ def _scratch_passes(
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
-        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-        k_off = blk * stride_kb + (j % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(
-            k_cache_ptr + k_off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
-        )
+        k = _cache_tile(
+            k_cache_ptr, bt_row, j, j_ok, kv_head, d, d_ok, stride_kb, stride_ks, stride_kh,
+            BLOCK_SIZE,
+        )  # fmt: skip
         s = _mask_hidden(
             _eager_scores(q, k, scale, DOT_PRECISION), j, j_ok, pos, window, USE_WINDOW
         )
@@ -407,26 +427,20 @@ def _scratch_passes(
     tl.debug_barrier()  # every thread's scores are stored before any thread reads them back
     total = tl.zeros_like(m)
     for start in range(lo, hi, BLOCK_N):
-        j = start + offs_n
-        keep = row_ok[:, None] & (j < hi)[None, :]
-        s = tl.load(scores_row[:, None] + (j - lo)[None, :], mask=keep, other=float("-inf"))
-        total = total + tl.sum(
-            _exp(round_to(s.to(tl.float32) - m[:, None], q.dtype), PRECISE_EXP), 1
-        )
+        s = _kept_scores(scores_row, row_ok, start + offs_n, lo, hi)
+        total = total + tl.sum(_exp(round_to(s - m[:, None], q.dtype), PRECISE_EXP), 1)
     total = _exp(round_to(sink - m, q.dtype), PRECISE_EXP) + total
     acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
-        j_ok = j < hi
-        keep = row_ok[:, None] & j_ok[None, :]
-        s = tl.load(scores_row[:, None] + (j - lo)[None, :], mask=keep, other=float("-inf"))
-        e = _exp(round_to(s.to(tl.float32) - m[:, None], q.dtype), PRECISE_EXP)
-        p = tl.div_rn(e, total[:, None])  # IEEE division, as torch's softmax divides
-        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-        v_off = blk * stride_vb + (j % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
-        v = tl.load(
-            v_cache_ptr + v_off[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0
+        e = _exp(
+            round_to(_kept_scores(scores_row, row_ok, j, lo, hi) - m[:, None], q.dtype), PRECISE_EXP
         )
+        p = tl.div_rn(e, total[:, None])  # IEEE division, as torch's softmax divides
+        v = _cache_tile(
+            v_cache_ptr, bt_row, j, j < hi, kv_head, d, d_ok, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE,
+        )  # fmt: skip
         acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc
 
