@@ -23,11 +23,11 @@ class RMSNorm(nn.Module):
             from moetrace.kernels.triton_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, weight_in_float32=self.weight_in_float32)
-        if self.weight_in_float32:
-            h = x.to(torch.float32)
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (self.weight.to(torch.float32) * h).to(x.dtype)
         dtype = x.dtype
-        h = x.to(torch.float32) if dtype != torch.float64 else x
+        # gpt-oss's reference takes even float64 rows to float32
+        wide = dtype == torch.float64 and not self.weight_in_float32
+        h = x if wide else x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight.to(torch.float32) * h).to(dtype)
         return self.weight * h.to(dtype)
