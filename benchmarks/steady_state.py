@@ -85,44 +85,38 @@ def _attention_calls(shape, ctx: int) -> tuple[list, float]:
     return calls, kv_bytes / projection_gemms.HBM_BYTES_S * 1e6
 
 
-def splits() -> None:
-    default = triton_attention._num_splits
+def _attention_variants(section: str, cases, name: str, variants: dict) -> None:
+    """Decode attention at each ``(shape name, context)`` of ``cases``, chained once per
+    variant: ``triton_attention.<name>`` set to each value of ``variants`` (label: value),
+    restored afterwards."""
+    default = getattr(triton_attention, name)
     try:
-        for name, shape in attention_tiles.SHAPES.items():
-            for ctx in (320, 1024):
-                calls, bound = _attention_calls(shape, ctx)
-                row = []
-                for n in (1, 2, 4):
-                    triton_attention._num_splits = lambda *_, n=n: n
-                    row.append(
-                        f"{n} split{'s' if n > 1 else ' '} {graph_replay.chained_us(calls):6.1f}"
-                    )
-                print(
-                    f"splits {name:15s} ctx {ctx:4d} (bound {bound:5.1f} us): " + "  ".join(row),
-                    flush=True,
-                )
+        for shape_name, ctx in cases:
+            calls, bound = _attention_calls(attention_tiles.SHAPES[shape_name], ctx)
+            row = []
+            for label, value in variants.items():
+                setattr(triton_attention, name, value)
+                row.append(f"{label} {graph_replay.chained_us(calls):6.1f}")
+            print(
+                f"{section} {shape_name:15s} ctx {ctx:4d} (bound {bound:5.1f} us): "
+                + "  ".join(row),
+                flush=True,
+            )
     finally:
-        triton_attention._num_splits = default
+        setattr(triton_attention, name, default)
+
+
+def splits() -> None:
+    cases = [(name, ctx) for name in attention_tiles.SHAPES for ctx in (320, 1024)]
+    variants = {f"{n} split{'s' if n > 1 else ' '}": lambda *_, n=n: n for n in (1, 2, 4)}
+    _attention_variants("splits", cases, "_num_splits", variants)
 
 
 def sinks() -> None:
-    default = triton_attention.SINK_SCRATCH_KEYS
-    try:
-        for name, contexts in (("gpt-oss", (320, 1024, 2048, 4096)), ("gpt-oss-window", (320,))):
-            shape = attention_tiles.SHAPES[name]
-            for ctx in contexts:
-                calls, bound = _attention_calls(shape, ctx)
-                row = []
-                for keys in (0, default):
-                    triton_attention.SINK_SCRATCH_KEYS = keys
-                    label = "three passes" if keys == 0 else f"scratch up to {keys} keys"
-                    row.append(f"{label} {graph_replay.chained_us(calls):6.1f}")
-                print(
-                    f"sinks {name:15s} ctx {ctx:4d} (bound {bound:5.1f} us): " + "  ".join(row),
-                    flush=True,
-                )
-    finally:
-        triton_attention.SINK_SCRATCH_KEYS = default
+    cases = [("gpt-oss", ctx) for ctx in (320, 1024, 2048, 4096)] + [("gpt-oss-window", 320)]
+    keys = triton_attention.SINK_SCRATCH_KEYS
+    variants = {"three passes": 0, f"scratch up to {keys} keys": keys}
+    _attention_variants("sinks", cases, "SINK_SCRATCH_KEYS", variants)
 
 
 def attention() -> None:
