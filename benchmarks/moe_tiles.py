@@ -16,7 +16,9 @@ MXFP4 shapes: ``gpt-oss-mx`` (checkpoint layout, ``tl.dot_scaled``),
 ``gpt-oss-mx-bits`` (checkpoint layout, the kernel's bit decoder) and
 ``gpt-oss-mx-frag`` (the fragment layout of ``kernels/mxfp4_layout.py``, whose
 ``block_n`` counts weight rows).  Run together, the last lines compare each
-shape's best with the first shape's.
+shape's best with the first shape's.  ``--tiles 32,128,128,8,4,3 ...`` times
+only the tiles given (block_m, block_n, block_k, group_m, warps, stages; the
+rest as the shape's default), for comparing trees or layouts side by side.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ def grid(shape: Shape, tokens: int) -> list[tm.MoEConfig]:
     ]
 
 
+TILE_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
 def build(shape: Shape, tokens: int, seed: int = 0):
     """Experts with random weights (MXFP4: random codes, scales near 2**-7) and a routing."""
     torch.manual_seed(seed)
@@ -186,9 +191,12 @@ def main() -> None:
     parser.add_argument("--hbm-gbs", type=float, default=4800.0)
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--tiles", nargs="+", default=None, help="only these tiles: BM,BN,BK,GROUP,WARPS,STAGES"
+    )
     args = parser.parse_args()
     names = args.shapes.split(",")
-    if args.workers > 1:
+    if args.workers > 1 and not args.tiles:
         with mp.get_context("spawn").Pool(args.workers) as pool:
             pool.map(
                 compile_share,
@@ -208,7 +216,13 @@ def main() -> None:
         )
         rows = []
         want = None
-        for cfg in dict.fromkeys([default, *grid(shape, args.tokens)]):
+        tiles = grid(shape, args.tokens)
+        if args.tiles:
+            tiles = [
+                default._replace(**dict(zip(TILE_FIELDS, map(int, t.split(",")), strict=True)))
+                for t in args.tiles
+            ]
+        for cfg in dict.fromkeys([default, *tiles]):
             try:
                 fn = runner(shape, built, cfg)
                 got = fn().float()

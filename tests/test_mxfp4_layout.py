@@ -64,6 +64,23 @@ def test_a_chunk_stores_its_words_lane_by_lane():
     assert layout.word_order(6).tolist()[16:] == [16, 20, 17, 21, 18, 22, 19, 23]
 
 
+def test_words_are_stored_chunk_major():
+    """Row n's 64 bytes of whole chunk c at (c N + n) * 64; the short last chunk (two groups at
+    gpt-oss's 2,880) after them, 32 bytes a row; each piece as the row's lane-by-lane words."""
+    blocks, scales = random_mxfp4((24,), 2880, seed=10)
+    packed, _ = layout.to_fragment(blocks, scales, gate_up=False)
+    rows = layout._reorder_words(
+        layout.pack_codes(layout.checkpoint_codes(blocks)), layout.word_order(90)
+    )
+    flat = packed.flatten()
+    for n, c in ((0, 0), (5, 3), (23, 21), (9, 0)):
+        assert torch.equal(flat[(c * 24 + n) * 64 :][:64], rows[n, 64 * c : 64 * c + 64])
+    tail = 22 * 24 * 64
+    for n in (0, 7, 23):
+        assert torch.equal(flat[tail + 32 * n :][:32], rows[n, 22 * 64 :])
+    assert torch.equal(layout.rows_first(packed), rows)
+
+
 def test_scales_of_a_chunk_sit_row_by_row():
     """Row n's four scales of chunk c are the four bytes at (c N + n) * 4."""
     _, scales = random_mxfp4((24,), 2880, seed=9)

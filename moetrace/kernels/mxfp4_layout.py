@@ -19,10 +19,18 @@ layout stores the same codes in that order instead:
   lane: word ``t`` of group ``j`` at ``t * n + j`` (``n`` groups in the
   chunk).  Lane ``t`` then reads its four words of a chunk as one 16-byte
   load, and the quad of a row reads the row's 64 bytes side by side: a warp
-  reads eight whole rows, every 32-byte sector it touches used in full, and
+  reads eight rows' chunks, every 32-byte sector it touches used in full, and
   its words reach their registers in the order the decoder takes them
   (group-major words put the four 16-byte loads of a lane 64 bytes apart
   and cost the copy twice the sectors; docs/benchmarks.md).
+* **Chunk-major rows.**  A matrix stores chunk 0 of every row, then chunk 1
+  of every row, and so on (``[C, N, 64]`` bytes, the short last chunk
+  ``[N, 16 n]``), as its scales are: one K step of a tile of rows is then one
+  contiguous block (8 KB for 128 rows) where row-major rows put it in 64-byte
+  pieces a row apart (1,440 bytes at gpt-oss's widths), and the GEMMs on
+  gpt-oss-20b's experts at batch 256 took 8% longer (docs/benchmarks.md).
+  The tensor keeps the shape ``[N, K/2]`` of the bytes it holds; only their
+  order changes (``chunks_first`` and ``rows_first``).
 * **Bits.**  Pair ``q`` decodes to one register of two bf16 values:
   ``(word << 3 q) & 0x81C081C0`` for ``q < 3``, and three shifts for ``q = 3``
   (the bits left over): each code's sign lands on a bf16 sign bit and its
@@ -123,6 +131,27 @@ def unchunk_scales(chunked: torch.Tensor, groups: int) -> torch.Tensor:
     return chunked.movedim(-3, -2).flatten(-2)[..., :groups].contiguous()
 
 
+def chunks_first(blocks: torch.Tensor) -> torch.Tensor:
+    """Fragment bytes with each row's chunks side by side (``[..., N, K/2]``) to the stored
+    chunk-major order: the whole chunks ``[..., C, N, 64]``, then the last chunk ``[..., N, 16 n]``
+    when it is short.  Same shape, bytes reordered."""
+    rows, width = blocks.shape[-2:]
+    whole = width // 64 * 64
+    head = blocks[..., :whole].unflatten(-1, (-1, 64)).movedim(-2, -3).flatten(-3)
+    tail = blocks[..., whole:].flatten(-2)
+    return torch.cat((head, tail), dim=-1).unflatten(-1, (rows, width)).contiguous()
+
+
+def rows_first(blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``chunks_first``."""
+    rows, width = blocks.shape[-2:]
+    whole = width // 64 * 64
+    flat = blocks.flatten(-2)
+    head = flat[..., : rows * whole].unflatten(-1, (whole // 64, rows, 64)).movedim(-3, -2)
+    tail = flat[..., rows * whole :].unflatten(-1, (rows, width - whole))
+    return torch.cat((head.flatten(-2), tail), dim=-1).contiguous()
+
+
 def _reorder_words(blocks: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Row bytes ``[..., K/2]`` with their 32-bit words permuted: word ``i`` from ``order[i]``."""
     words = blocks.contiguous().view(torch.int32)
@@ -192,7 +221,7 @@ def to_fragment(
 
     ``gate_up``: the rows alternate gate and up (they are regrouped, see
     ``gate_up_rows``).  Returns ``(blocks [..., N, K/2], scales [...,
-    scale_chunks(K), N, 4])``.
+    scale_chunks(K), N, 4])``, the blocks' bytes chunk-major (``chunks_first``).
     """
     k = blocks.shape[-1] * 2
     if k % GROUP or scales.shape[-1] != k // GROUP or scales.shape[:-1] != blocks.shape[:-1]:
@@ -204,7 +233,7 @@ def to_fragment(
         blocks, scales = blocks.index_select(-2, order), scales.index_select(-2, order)
     packed = pack_codes(checkpoint_codes(blocks))
     packed = _reorder_words(packed, word_order(k // GROUP, blocks.device))
-    return packed, chunk_scales(scales)
+    return chunks_first(packed), chunk_scales(scales)
 
 
 def from_fragment(
@@ -213,7 +242,7 @@ def from_fragment(
     """The inverse of ``to_fragment``: checkpoint ``(blocks, scales)``, rows in checkpoint order."""
     k = blocks.shape[-1] * 2
     inverse_words = torch.argsort(word_order(k // GROUP, blocks.device))
-    codes = unpack_codes(_reorder_words(blocks, inverse_words))
+    codes = unpack_codes(_reorder_words(rows_first(blocks), inverse_words))
     out_blocks, out_scales = checkpoint_blocks(codes), unchunk_scales(scales, k // GROUP)
     if gate_up:
         inverse = torch.argsort(gate_up_rows(blocks.shape[-2], blocks.device))

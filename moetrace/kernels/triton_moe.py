@@ -396,7 +396,7 @@ def _fragment_step(
     b_ok,
     k0,
     k,
-    stride_wn,
+    stride_wc,
     stride_sc,
     FAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -412,7 +412,7 @@ def _fragment_step(
     step reaches past ``k`` (the tail).
     """
     words, scales = fragment_tile(
-        w_ptr, s_ptr, w_rows, k0, k, stride_wn, stride_sc, BLOCK_K, MASK_K
+        w_ptr, s_ptr, w_rows, k0, k, stride_wc, stride_sc, BLOCK_K, MASK_K
     )
     offs_k = tl.arange(0, BLOCK_K)
     if MASK_K:
@@ -442,7 +442,7 @@ def _gate_up_fragment_kernel(
     inter,
     stride_xt,
     stride_we,
-    stride_wn,
+    stride_wc,
     stride_ht,
     stride_be,
     stride_se,
@@ -492,12 +492,12 @@ def _gate_up_fragment_kernel(
         tl.assume(k_full >= BLOCK_K)  # see _down_fragment_kernel
     for k0 in range(0, k_full, BLOCK_K):
         acc = _fragment_step(
-            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k0, hidden, stride_wn, stride_sc,
+            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k0, hidden, stride_wc, stride_sc,
             FAST, PRECISION, BLOCK_K, False,
         )  # fmt: skip
     if not EVEN_K:
         acc = _fragment_step(
-            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k_full, hidden, stride_wn, stride_sc,
+            acc, w_base, s_base, x_ptrs, w_rows, row_ok, k_full, hidden, stride_wc, stride_sc,
             FAST, PRECISION, BLOCK_K, True,
         )  # fmt: skip
 
@@ -541,7 +541,7 @@ def _down_fragment_kernel(
     inter,
     stride_ht,
     stride_we,
-    stride_wn,
+    stride_wc,
     stride_yt,
     stride_be,
     stride_se,
@@ -588,12 +588,12 @@ def _down_fragment_kernel(
         tl.assume(k_full >= BLOCK_K)
     for k0 in range(0, k_full, BLOCK_K):
         acc = _fragment_step(
-            acc, w_base, s_base, h_rows, w_rows, row_ok, k0, inter, stride_wn, stride_sc,
+            acc, w_base, s_base, h_rows, w_rows, row_ok, k0, inter, stride_wc, stride_sc,
             FAST, PRECISION, BLOCK_K, False,
         )  # fmt: skip
     if not EVEN_K:
         acc = _fragment_step(
-            acc, w_base, s_base, h_rows, w_rows, row_ok, k_full, inter, stride_wn, stride_sc,
+            acc, w_base, s_base, h_rows, w_rows, row_ok, k_full, inter, stride_wc, stride_sc,
             FAST, PRECISION, BLOCK_K, True,
         )  # fmt: skip
 
@@ -656,9 +656,10 @@ def moe_config(
     rows (gate/up: half as many channels), ``block_k`` a multiple of 128 (one
     aligned copy of a row's scales).  ``FRAGMENT_DECODE``/``FRAGMENT_PREFILL``
     are the H200 sweep's best (``benchmarks/moe_tiles.py``): 32 tokens x 128
-    rows x 128, 4 warps, 3 stages at T=256, 364 us (1.60x the bit decoder's
-    best, 582 us); 128 x 128 x 128, 4 warps at T=8192, 4.62 ms (1.25x
-    ``tl.dot_scaled``'s best, 5.76 ms).
+    rows x 128, 4 warps, 3 stages at T=256 (364 us when chosen, 1.60x the bit
+    decoder's best, 582 us; 251 us with chunk-major words, where 4 stages,
+    K steps of 256 and 64-token blocks stay as fast or slower); 128 x 128 x
+    128, 4 warps at T=8192, 4.62 ms (1.25x ``tl.dot_scaled``'s best, 5.76 ms).
     """
     rows_per_expert = num_tokens * top_k / num_experts
     if mxfp4 and layout == "fragment":
@@ -1043,7 +1044,7 @@ def _fragment_gemms(
             hidden, w13, h, b13, s13,
             routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *routing.table_args,
             num_pairs, blocks, hidden_size, inter,
-            hidden.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0),
+            hidden.stride(0), w13.stride(0), w13.shape[1] * 64, h.stride(0), b13.stride(0),
             s13.stride(0), s13.stride(1),
             extras.swiglu_alpha, extras.swiglu_limit,
             TOP_K=num_pairs // num_tokens, ACTIVATION=activation, HAS_BIAS=extras.b13 is not None,
@@ -1054,7 +1055,7 @@ def _fragment_gemms(
             h, w2, y, b2, s2, weights,
             routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *routing.table_args,
             num_pairs, blocks, hidden_size, inter,
-            h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), b2.stride(0),
+            h.stride(0), w2.stride(0), w2.shape[1] * 64, y.stride(0), b2.stride(0),
             s2.stride(0), s2.stride(1),
             HAS_BIAS=extras.b2 is not None, BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0,
             FULL_STEP=inter >= cfg.block_k, BLOCK_PARTS=parts, PART=part, **common,

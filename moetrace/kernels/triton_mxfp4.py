@@ -125,34 +125,35 @@ def fragment_operand(words, scales, DTYPE: tl.constexpr, FAST: tl.constexpr):
 
 @triton.jit
 def fragment_tile(
-    w_ptr, s_ptr, rows, k0, k, stride_wn, stride_sc, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr
+    w_ptr, s_ptr, rows, k0, k, stride_wc, stride_sc, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr
 ):
     """Words ``[R, G, 4]`` (int32) and scales ``[R, G, 1]`` (uint8) of ``rows`` for the K step
     of ``BLOCK_K`` values at ``k0`` (a multiple of 128), in the layout ``fragment_operand`` takes.
 
     ``rows`` must be in range (no row mask).  ``MASK_K``: the step may reach past
-    ``k``, where a short last chunk stores its words ``n`` apart (``n`` groups)
-    and the scale chunks end.  ``stride_wn``: bytes a weight row; ``stride_sc``:
-    bytes a scale chunk (``[N, 4]``).
+    ``k``, where a short last chunk stores its rows ``4 n`` words apart (``n``
+    groups) and the scale chunks end.  ``stride_wc``: bytes a whole chunk of
+    words (``[N, 64]``); ``stride_sc``: bytes a scale chunk (``[N, 4]``).
     """
     G: tl.constexpr = BLOCK_K // 32
     C: tl.constexpr = G // 4  # chunks a step
     R: tl.constexpr = rows.shape[0]
     j = tl.arange(0, 16 * C)  # the step's words in storage order: chunk, lane t, group
     i = tl.arange(0, 4 * C)  # its scale bytes: chunk, group
-    words_ptr = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4) + k0 // 8
+    chunk = k0 // 128 + j // 16
+    words_ptr = w_ptr.to(tl.pointer_type(tl.int32)) + (chunk * (stride_wc // 4))[None, :]
     scale_ptr = s_ptr + (k0 // 128 + i // 4)[None, :] * stride_sc + rows[:, None] * 4
     scale_ptr += (i % 4)[None, :]
     if MASK_K:
-        left = k // 32 - k0 // 32  # groups from this step on
-        c = j // 16
-        n = tl.minimum(left - 4 * c, 4)  # groups in word j's chunk (<= 0: past the end)
+        left = k // 32 - 4 * chunk  # groups from word j's chunk on
+        n = tl.minimum(left, 4)  # groups in that chunk (<= 0: past the end)
         gi = j % 4
-        words = tl.load(words_ptr + (16 * c + (j // 4 % 4) * n + gi)[None, :],
-                        mask=(gi < n)[None, :], other=0)  # fmt: skip
-        scales = tl.load(scale_ptr, mask=(i // 4 < (left + 3) // 4)[None, :], other=127)
+        offset = rows[:, None] * (4 * n)[None, :] + ((j // 4 % 4) * n + gi)[None, :]
+        words = tl.load(words_ptr + offset, mask=(gi < n)[None, :], other=0)
+        scale_ok = 4 * (k0 // 128 + i // 4) < k // 32  # the scale's chunk holds a group
+        scales = tl.load(scale_ptr, mask=scale_ok[None, :], other=127)
     else:
-        words = tl.load(words_ptr + j[None, :])
+        words = tl.load(words_ptr + rows[:, None] * 16 + (j % 16)[None, :])
         scales = tl.load(scale_ptr)
     words = tl.permute(tl.reshape(words, (R, C, 4, 4)), (0, 1, 3, 2))  # [R, chunk, group, t]
     return tl.reshape(words, (R, G, 4)), tl.reshape(scales, (R, G, 1))
@@ -160,13 +161,13 @@ def fragment_tile(
 
 @triton.jit
 def _decode_kernel(
-    w_ptr, s_ptr, out_ptr, k, stride_wn, stride_sc, FAST: tl.constexpr, ROWS: tl.constexpr,
+    w_ptr, s_ptr, out_ptr, k, stride_wc, stride_sc, FAST: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One program: ``ROWS`` rows by one ``BLOCK_K`` step of a fragment matrix, decoded."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     k0 = tl.program_id(1) * BLOCK_K
-    words, scales = fragment_tile(w_ptr, s_ptr, r, k0, k, stride_wn, stride_sc, BLOCK_K, True)
+    words, scales = fragment_tile(w_ptr, s_ptr, r, k0, k, stride_wc, stride_sc, BLOCK_K, True)
     values = fragment_operand(words, scales, out_ptr.dtype.element_ty, FAST)
     kk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + r[:, None] * k + kk[None, :], values, mask=kk[None, :] < k)
@@ -186,7 +187,7 @@ def decode_fragment(
     scales = scales.contiguous()
     grid = (n // rows, triton.cdiv(k, block_k))
     _decode_kernel[grid](
-        blocks.contiguous(), scales, out, k, blocks.shape[1], scales.stride(0),
+        blocks.contiguous(), scales, out, k, n * 64, scales.stride(0),
         FAST=fast, ROWS=rows, BLOCK_K=block_k,
     )  # fmt: skip
     return out
