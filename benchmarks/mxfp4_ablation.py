@@ -1,6 +1,6 @@
-"""What a cheaper MXFP4 decoder would buy: the fragment GEMMs timed with stand-in decoders.
+"""What a cheaper MXFP4 decoder, or another layout, would buy: stand-ins in the fragment GEMMs.
 
-    PYTHONPATH=. python3 benchmarks/mxfp4_ablation.py [--variants real,multiplies,...]
+    PYTHONPATH=. python3 benchmarks/mxfp4_ablation.py [--variants real,multiplies,...] [--balanced]
 
 Each variant replaces the fast decoder's PTX block (``kernels/mxfp4_layout.py``)
 with one that issues fewer or other instructions and computes *wrong values*
@@ -16,7 +16,15 @@ any decoder rewrite can save:
   beyond scaling);
 * ``no-multiplies``: the integer operations alone (values left unscaled);
 * ``rotates``: 13 operations a word (three rotates, a bit-select), a layout
-  the search in the docs found to exist.
+  the search in the docs found to exist;
+* ``tile-major``: the real decoder, the words of whole chunks read as if
+  each 128-row tile kept all its chunks together (``[N/128, C, 128, 64]``
+  bytes) rather than chunk-major (``[C, N, 64]``): a program's whole read one
+  contiguous stream.
+
+``--balanced`` routes every expert exactly ``T k / E`` tokens (32 at batch
+256), so no expert needs a second token block: what the routing's imbalance
+costs the GEMMs.
 """
 
 from __future__ import annotations
@@ -27,10 +35,15 @@ import subprocess
 import sys
 import tempfile
 
+import triton
+import triton.language as tl
+
 from moetrace.kernels.mxfp4_layout import FAST_DECODE_PTX
+from moetrace.kernels.triton_mxfp4 import fragment_tile
 
 VARIANTS = {
     "real": None,
+    "tile-major": None,
     "multiplies": """{
 mul.rn.bf16x2 $0, $4, $5;
 mul.rn.bf16x2 $1, $0, $5;
@@ -63,34 +76,77 @@ mul.rn.bf16x2 $3, $3, $5;
 }
 
 
-def time_variant(name: str) -> float:
-    """In this process: install the variant's decoder, time the layer's experts (us)."""
+@triton.jit
+def tile_major_tile(
+    w_ptr, s_ptr, rows, k0, k, stride_wc, stride_sc, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr
+):
+    """A stand-in for ``fragment_tile``: whole chunks' words at tile-major addresses."""
+    if MASK_K:
+        words, scales = fragment_tile(
+            w_ptr, s_ptr, rows, k0, k, stride_wc, stride_sc, BLOCK_K, MASK_K
+        )
+    else:
+        C: tl.constexpr = BLOCK_K // 128
+        R: tl.constexpr = rows.shape[0]
+        n = stride_wc // 64  # rows of the matrix
+        whole = k // 128  # whole chunks a row
+        first = (rows // 128) * 128
+        in_tile = tl.minimum(n - first, 128)
+        j = tl.arange(0, 16 * C)
+        chunk = k0 // 128 + j // 16
+        word = (first * whole)[:, None] + chunk[None, :] * in_tile[:, None]
+        word = (word + (rows % 128)[:, None]) * 16 + (j % 16)[None, :]
+        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + word)
+        i = tl.arange(0, 4 * C)
+        scale_ptr = s_ptr + (k0 // 128 + i // 4)[None, :] * stride_sc + rows[:, None] * 4
+        scales = tl.load(scale_ptr + (i % 4)[None, :])
+        words = tl.permute(tl.reshape(words, (R, C, 4, 4)), (0, 1, 3, 2))
+        words = tl.reshape(words, (R, 4 * C, 4))
+        scales = tl.reshape(scales, (R, 4 * C, 1))
+    return words, scales
+
+
+def time_variant(name: str, balanced: bool) -> float:
+    """In this process: install the variant, time the layer's experts (us)."""
     import moe_tiles
-    import triton.language as tl
+    import torch
 
     from moetrace.kernels import triton_moe as tm
     from moetrace.kernels import triton_mxfp4
 
-    if VARIANTS[name] is not None:
+    if name == "tile-major":
+        tm.fragment_tile = tile_major_tile
+    elif VARIANTS[name] is not None:
         triton_mxfp4._FAST_DECODE_PTX = tl.constexpr(VARIANTS[name])
     shape = moe_tiles.SHAPES["gpt-oss-mx-frag"]
-    fn = moe_tiles.runner(shape, moe_tiles.build(shape, 256), tm.FRAGMENT_DECODE)
+    built = moe_tiles.build(shape, 256)
+    if balanced:  # token t takes experts 4t .. 4t + 3 (mod 32): 32 pairs each
+        experts, x, weights, ids, nbytes = built
+        token = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        picks = torch.arange(shape.top_k, device=ids.device)[None, :]
+        ids = ((token * shape.top_k + picks) % shape.experts).to(ids.dtype)
+        built = (experts, x, weights, ids, nbytes)
+    fn = moe_tiles.runner(shape, built, tm.FRAGMENT_DECODE)
     return min(moe_tiles.time_graph(fn) for _ in range(3)) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--balanced", action="store_true")
     parser.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(f"{time_variant(args.one):.1f}")
+        print(f"{time_variant(args.one, args.balanced):.1f}")
         return
     for name in args.variants.split(","):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             run = subprocess.run(
-                [sys.executable, __file__, "--one", name], env=env, capture_output=True, text=True
+                [sys.executable, __file__, "--one", name] + ["--balanced"] * args.balanced,
+                env=env,
+                capture_output=True,
+                text=True,
             )
         if run.returncode:
             print(f"{name}: failed\n{run.stderr[-2000:]}", file=sys.stderr)
