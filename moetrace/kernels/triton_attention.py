@@ -298,6 +298,20 @@ def _cache_tile(
 
 
 @triton.jit
+def _key_tile_scores(
+    q, j, j_ok, pos, k_cache_ptr, bt_row, kv_head, window, scale, d, d_ok, stride_kb, stride_ks,
+    stride_kh, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Keys ``j``'s eager scores from the paged K cache, hidden keys at -inf: one function
+    for the passes and the scratch path, whose bits must be the same."""
+    k = _cache_tile(
+        k_cache_ptr, bt_row, j, j_ok, kv_head, d, d_ok, stride_kb, stride_ks, stride_kh,
+        BLOCK_SIZE,
+    )  # fmt: skip
+    return _mask_hidden(_eager_scores(q, k, scale, DOT_PRECISION), j, j_ok, pos, window, USE_WINDOW)
+
+
+@triton.jit
 def _row_pass(
     q,
     m,
@@ -338,12 +352,10 @@ def _row_pass(
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
-        k = _cache_tile(
-            k_cache_ptr, bt_row, j, j_ok, kv_head, d, d_ok, stride_kb, stride_ks, stride_kh,
-            BLOCK_SIZE,
+        s = _key_tile_scores(
+            q, j, j_ok, pos, k_cache_ptr, bt_row, kv_head, window, scale, d, d_ok,
+            stride_kb, stride_ks, stride_kh, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION,
         )  # fmt: skip
-        s = _eager_scores(q, k, scale, DOT_PRECISION)
-        s = _mask_hidden(s, j, j_ok, pos, window, USE_WINDOW)
         if SUM:
             out = out + tl.sum(_exp(round_to(s - m[:, None], q.dtype), PRECISE_EXP), 1)
         else:
@@ -414,13 +426,10 @@ def _scratch_passes(
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
-        k = _cache_tile(
-            k_cache_ptr, bt_row, j, j_ok, kv_head, d, d_ok, stride_kb, stride_ks, stride_kh,
-            BLOCK_SIZE,
+        s = _key_tile_scores(
+            q, j, j_ok, pos, k_cache_ptr, bt_row, kv_head, window, scale, d, d_ok,
+            stride_kb, stride_ks, stride_kh, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION,
         )  # fmt: skip
-        s = _mask_hidden(
-            _eager_scores(q, k, scale, DOT_PRECISION), j, j_ok, pos, window, USE_WINDOW
-        )
         m = tl.maximum(m, tl.max(s, 1))
         keep = row_ok[:, None] & j_ok[None, :]
         tl.store(scores_row[:, None] + (j - lo)[None, :], s.to(q.dtype), mask=keep)
