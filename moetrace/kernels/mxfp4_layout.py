@@ -59,6 +59,7 @@ import torch
 LAYOUTS = ("checkpoint", "fragment")
 GROUP = 32  # values per e8m0 scale
 CHUNK = 4  # groups per chunk: one K step of 128 values, whose words go lane by lane
+CHUNK_BYTES = GROUP * CHUNK // 2  # 64: a whole chunk of one row
 SCALE_PAD = 127  # 2**0, for the padding (never multiplied into a value)
 # Lane-0 bit positions of a pair's two codes (lane 1: +16), per pair q: sign, then
 # mantissa, exponent bit 0, exponent bit 1.  Pairs 0-2 are one shift of pair 0's
@@ -136,8 +137,8 @@ def chunks_first(blocks: torch.Tensor) -> torch.Tensor:
     chunk-major order: the whole chunks ``[..., C, N, 64]``, then the last chunk ``[..., N, 16 n]``
     when it is short.  Same shape, bytes reordered."""
     rows, width = blocks.shape[-2:]
-    whole = width // 64 * 64
-    head = blocks[..., :whole].unflatten(-1, (-1, 64)).movedim(-2, -3).flatten(-3)
+    whole = width // CHUNK_BYTES * CHUNK_BYTES
+    head = blocks[..., :whole].unflatten(-1, (-1, CHUNK_BYTES)).movedim(-2, -3).flatten(-3)
     tail = blocks[..., whole:].flatten(-2)
     return torch.cat((head, tail), dim=-1).unflatten(-1, (rows, width)).contiguous()
 
@@ -145,9 +146,13 @@ def chunks_first(blocks: torch.Tensor) -> torch.Tensor:
 def rows_first(blocks: torch.Tensor) -> torch.Tensor:
     """The inverse of ``chunks_first``."""
     rows, width = blocks.shape[-2:]
-    whole = width // 64 * 64
+    whole = width // CHUNK_BYTES * CHUNK_BYTES
     flat = blocks.flatten(-2)
-    head = flat[..., : rows * whole].unflatten(-1, (whole // 64, rows, 64)).movedim(-3, -2)
+    head = (
+        flat[..., : rows * whole]
+        .unflatten(-1, (whole // CHUNK_BYTES, rows, CHUNK_BYTES))
+        .movedim(-3, -2)
+    )
     tail = flat[..., rows * whole :].unflatten(-1, (rows, width - whole))
     return torch.cat((head.flatten(-2), tail), dim=-1).contiguous()
 
