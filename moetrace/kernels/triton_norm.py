@@ -103,8 +103,8 @@ def _rms_norm_kernel(
     d = tl.arange(0, BLOCK_D)
     ok = d < dim
     x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)  # before the sum's barriers
     rstd = rms_rstd(x, inv_dim, eps)  # launched without FMA contraction, see ``rms_norm``
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if WEIGHT_IN_FLOAT32:  # gpt-oss: the weight multiplies the float32 row, one rounding
         y = (w * (x * rstd)).to(out_ptr.dtype.element_ty)
     else:

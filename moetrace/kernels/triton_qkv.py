@@ -74,6 +74,14 @@ def _normed_rotated(
     f2 = tl.load(src + off + HALF, mask=ok, other=0.0).to(tl.float32)
     if NORM:
         n = tl.arange(0, BLOCK_N)
+        # The weights load before the statistics: after their cross-warp sums, a load
+        # would wait out its own latency.
+        if PER_HEAD:
+            w_off = i  # one [HEAD_DIM] weight for every head
+        else:
+            w_off = off
+        w1 = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + w_off + HALF, mask=ok, other=0.0).to(tl.float32)
         if PER_HEAD:
             # Each head's statistics over a 1-D row, as rms_norm lays it out (the sum's
             # order follows the layout), then placed in that head's row of the tile.
@@ -81,13 +89,9 @@ def _normed_rotated(
             for j in tl.static_range(BLOCK_G):
                 row = tl.load(src + j * HEAD_DIM + n, mask=n < norm_dim, other=0.0)
                 rstd = tl.where(h == j, rms_rstd(row.to(tl.float32), inv_dim, eps), rstd)
-            w_off = i  # one [HEAD_DIM] weight for every head
         else:
             row = tl.load(src + n, mask=n < norm_dim, other=0.0).to(tl.float32)
             rstd = rms_rstd(row, inv_dim, eps)
-            w_off = off
-        w1 = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + w_off + HALF, mask=ok, other=0.0).to(tl.float32)
         f1 = rms_scale(f1, rstd, w1, dtype)
         f2 = rms_scale(f2, rstd, w2, dtype)
     return rotate_halves(f1, f2, c1, c2, s1, s2, dtype)
@@ -156,11 +160,15 @@ def _qkv_rope_store_kernel(
         tl.store(dst + HALF, narrow(hi, dtype), mask=ok)
     else:
         head0 = (g - Q_GROUPS) * GROUP
+        # The slot and v load before the norm's statistics (see _normed_rotated).
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        e = tl.arange(0, BLOCK_D)[None, :]
+        v_ok = (h < GROUP) & (e < HEAD_DIM)
+        v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + head0 + h) * HEAD_DIM + e, mask=v_ok)
         lo, hi = _normed_rotated(
             row + (NUM_HEADS + head0) * HEAD_DIM, k_weight_ptr, c1, c2, s1, s2, norm_dim,
             inv_dim, k_eps, h, i, ok, dtype, HEAD_DIM, NORM, PER_HEAD, BLOCK_G, BLOCK_N,
         )  # fmt: skip
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         # Negative slots mark padding tokens (a CUDA graph's unused rows): as store_kv.
         if slot >= 0:
             blk = slot // BLOCK_SIZE
@@ -168,9 +176,6 @@ def _qkv_rope_store_kernel(
             kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + (head0 + h) * stride_kch + i
             tl.store(kc, narrow(lo, dtype).to(kc.dtype.element_ty), mask=ok)
             tl.store(kc + HALF, narrow(hi, dtype).to(kc.dtype.element_ty), mask=ok)
-            e = tl.arange(0, BLOCK_D)[None, :]
-            v_ok = (h < GROUP) & (e < HEAD_DIM)
-            v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + head0 + h) * HEAD_DIM + e, mask=v_ok)
             vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + (head0 + h) * stride_vch + e
             tl.store(vc, v.to(vc.dtype.element_ty), mask=v_ok)
 

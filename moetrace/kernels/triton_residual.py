@@ -67,6 +67,8 @@ def _add_rms_norm_kernel(
     d = tl.arange(0, BLOCK_D)
     ok = d < dim
     ty: tl.constexpr = out_ptr.dtype.element_ty
+    # Every load first: one issued after the norm's cross-warp sum waits out its own latency.
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     src = x_ptr + t * stride_xt + d
     s = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     for j in tl.static_range(1, ROWS):
@@ -81,7 +83,6 @@ def _add_rms_norm_kernel(
     if STORE_RESIDUAL:
         tl.store(res_out_ptr + t * dim + d, narrow(x, ty), mask=ok)
     rstd = rms_rstd(x, inv_dim, eps)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if WEIGHT_IN_FLOAT32:
         y = round_to(w * (x * rstd), ty)
     else:
