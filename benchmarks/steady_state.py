@@ -1,6 +1,6 @@
 """Decode-step kernels timed in steady state: many calls chained in one CUDA graph.
 
-    python benchmarks/steady_state.py [align] [attention] [splits] [sinks] [gemms] [streams]
+    python benchmarks/steady_state.py [align] [attention] [splits] [sinks] [gemms] [splitk] [streams]
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
@@ -13,13 +13,17 @@ replay adds.
 ``triton_attention._num_splits`` would pick: at batch 256 a Qwen3-30B-A3B
 layer has 1,024 (sequence, KV head) programs, about two waves, so a split
 trades the second wave's fill and drain for the merge.
-``sinks``: gpt-oss-20b's decode attention (full layers at contexts 320 to 4096, window
-layers at 320), its rows' scores kept in scratch up to
-``triton_attention.SINK_SCRATCH_KEYS`` keys (K read once) against the three
-passes over K.
+``sinks``: gpt-oss-20b's decode attention (full layers at contexts 320 to 16,384,
+window layers at 320), its rows' scores kept in the batch's pool of
+``triton_attention.SINK_SCORES_POOL`` query-keys a head (K read once; the
+sequences past its end take the passes) against the three passes over K.
 ``gemms``: the decode step's projection GEMMs at M=256 (``projection_gemms.py``'s
 shapes) under each BLAS library torch offers
 (``torch.backends.cuda.preferred_blas_library``).
+``splitk``: the same projections (and gpt-oss-20b's q/k/v and o) through
+``F.linear`` against one strided-batched GEMM over 2 or 4 shares of K with
+float32 outputs, which the next kernel would have to sum: whether more
+programs shorten them.
 ``streams``: four MoE layers' experts at T=256 (``moe_tiles.py``'s OLMoE-1B-7B,
 Qwen3-30B-A3B, DeepSeek-V2-Lite and fragment-MXFP4 gpt-oss shapes; alignment,
 gate/up, down), chained on one stream, with each layer's row blocks in two or
@@ -98,7 +102,7 @@ def _attention_variants(section: str, cases, name: str, variants: dict) -> None:
                 setattr(triton_attention, name, value)
                 row.append(f"{label} {graph_replay.chained_us(calls):6.1f}")
             print(
-                f"{section} {shape_name:15s} ctx {ctx:4d} (bound {bound:5.1f} us): "
+                f"{section} {shape_name:15s} ctx {ctx:5d} (bound {bound:6.1f} us): "
                 + "  ".join(row),
                 flush=True,
             )
@@ -113,10 +117,11 @@ def splits() -> None:
 
 
 def sinks() -> None:
-    cases = [("gpt-oss", ctx) for ctx in (320, 1024, 2048, 4096)] + [("gpt-oss-window", 320)]
-    keys = triton_attention.SINK_SCRATCH_KEYS
-    variants = {"three passes": 0, f"scratch up to {keys} keys": keys}
-    _attention_variants("sinks", cases, "SINK_SCRATCH_KEYS", variants)
+    contexts = (320, 1024, 2048, 4096, 8192, 16384)
+    cases = [("gpt-oss", ctx) for ctx in contexts] + [("gpt-oss-window", 320)]
+    size = triton_attention.SINK_SCORES_POOL
+    variants = {"three passes": 0, f"pool of {size:,} query-keys": size}
+    _attention_variants("sinks", cases, "SINK_SCORES_POOL", variants)
 
 
 def attention() -> None:
@@ -143,6 +148,37 @@ def gemms() -> None:
             calls = [partial(F.linear, x, weights[i % copies]) for i in range(24)]
             row.append(f"{library} {graph_replay.chained_us(calls):5.1f}")
         torch.backends.cuda.preferred_blas_library("default")
+        print("  ".join(row), flush=True)
+
+
+# The step's projections (``projection_gemms.py``'s, routers aside) and gpt-oss-20b's.
+SPLIT_K_SHAPES = {
+    **{name: kn for name, kn in projection_gemms.SHAPES.items() if "router" not in name},
+    "gpt-oss qkv": (2880, 5120),
+    "gpt-oss o": (4096, 2880),
+}
+
+
+def _split_k(x: torch.Tensor, w: torch.Tensor, shares: int) -> torch.Tensor:
+    """``x @ w.T`` as ``shares`` float32 partial products over slices of K, one
+    strided-batched GEMM (the next kernel would sum them)."""
+    (m, k), n = x.shape, w.shape[0]
+    xs = x.view(m, shares, k // shares).transpose(0, 1)
+    ws = w.view(n, shares, k // shares).permute(1, 2, 0)
+    return torch.bmm(xs, ws, out_dtype=torch.float32)
+
+
+def splitk() -> None:
+    for name, (k, n) in SPLIT_K_SHAPES.items():
+        copies = int(200e6 // (k * n * 2)) + 2
+        weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(projection_gemms.TOKENS, k, device="cuda").to(torch.bfloat16)
+        row = [f"{name:12s} bytes {k * n * 2 / projection_gemms.HBM_BYTES_S * 1e6:5.1f} us"]
+        calls = [partial(F.linear, x, weights[i % copies]) for i in range(24)]
+        row.append(f"F.linear {graph_replay.chained_us(calls):5.1f}")
+        for shares in (2, 4):
+            calls = [partial(_split_k, x, weights[i % copies], shares) for i in range(24)]
+            row.append(f"{shares} shares of K {graph_replay.chained_us(calls):5.1f}")
         print("  ".join(row), flush=True)
 
 
@@ -217,7 +253,7 @@ def main() -> None:
         sys.exit("benchmarks/steady_state.py needs CUDA")
     sections = {
         "align": align, "attention": attention, "splits": splits, "sinks": sinks,
-        "gemms": gemms, "streams": streams,
+        "gemms": gemms, "splitk": splitk, "streams": streams,
     }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,9 @@ class AttentionMetadata:
     # int32 [1] on the device: the block tables' row stride, when the step packs
     # them at a width of its own (padded steps); None means block_tables.stride(0).
     block_table_stride: torch.Tensor | None = None
+    # Device tensors a kernel derives from the step's own tensors once per forward (the
+    # first layer to need one computes it, inside the graph when captured); by name.
+    derived: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

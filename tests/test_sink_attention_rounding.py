@@ -210,24 +210,98 @@ def test_window_decode_in_one_tile_and_in_three_passes():
 
 
 @pytest.mark.parametrize("window", [None, 16])
-def test_scores_in_scratch_are_the_passes_bit_for_bit(window, monkeypatch):
-    """Decode rows with sinks keep their scores in scratch up to ``SINK_SCRATCH_KEYS`` keys
-    and take the three passes beyond: the same tiles, sums and roundings, so the same bits.
-    With the limit at 24 keys this step's rows take both; at 0 every row takes the passes."""
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["eager", "graph"])
+def test_scores_in_the_pool_are_the_passes_bit_for_bit(window, host_lengths, monkeypatch):
+    """Decode sequences with sinks keep their rows' scores in a pool shared by the batch,
+    each taking ``q_len * seq_len`` query-keys a head after those before it; the ones
+    past the pool's end take the three passes.  The same tiles, sums and roundings: the
+    same bits, whichever way a sequence goes.  Shares here: 7, 40, 23, 40 and 183
+    (running ends 7, 47, 70, 110, 293), so a pool of 60 holds the first two, 110 the
+    first four.  ``graph``: no host lengths (a captured step), the pool at its full size."""
     step = Step([1, 2, 1, 1, 3], [7, 20, 23, 40, 61], seed=8)
+    if not host_lengths:
+        step.meta.query_start_loc_host, step.meta.seq_lens_host = [], []
     want = step.emulate(window)
-    monkeypatch.setattr(triton_attention, "SINK_SCRATCH_KEYS", 0)
+    monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", 0)
     passes = step.kernel(window, splits=1)
-    for keys in (24, 1024):
-        monkeypatch.setattr(triton_attention, "SINK_SCRATCH_KEYS", keys)
+    for size in (60, 110, 293, 1024):
+        monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", size)
+        step.meta.derived.clear()
         got = step.kernel(window, splits=1)
-        assert torch.equal(got.view(torch.int16), passes.view(torch.int16)), keys
+        assert torch.equal(got.view(torch.int16), passes.view(torch.int16)), size
     assert same(passes, want) > 0.995, same(passes, want)
     assert_close_where_differing(passes, want)
 
 
+def test_pool_shares_follow_the_decode_sequences():
+    """Each sequence's end in the pool is the running sum of ``q_len * seq_len`` over the
+    decode class (queries of up to ``decode_max_q``); a longer query takes no share."""
+    step = Step([1, 2, 5, 1, 3], [7, 20, 23, 40, 61], seed=9)
+    ends = triton_attention._pool_ends(step.meta, 4).cpu().tolist()
+    assert ends == [7, 47, 47, 87, 270]
+    assert triton_attention._pool_size(step.meta, 4) == 270
+    assert triton_attention._pool_ends(step.meta, 4) is triton_attention._pool_ends(step.meta, 4)
+
+
+def test_each_sequence_keeps_its_scores_in_its_own_share(monkeypatch):
+    """The pool after a launch, read back: sequence ``s``'s share starts at its running
+    end minus ``q_len * seq_len`` (times the heads), then KV head, tile row (query,
+    head) and key, each row ``seq_len`` keys long, holding eager attention's rounded
+    scores (-inf where a query does not see the key).  The shares tile the pool with no
+    gap and no overlap, so every element is written once, by its own sequence."""
+    step = Step([1, 2, 1], [7, 20, 23], seed=11)
+    pools = []
+    real_empty = torch.empty
+
+    def keep_pool(*args, **kwargs):
+        made = real_empty(*args, **kwargs)
+        if made.dim() == 1:  # the pool: the only 1-D buffer a launch makes
+            made.fill_(float("nan"))
+            pools.append(made)
+        return made
+
+    monkeypatch.setattr(triton_attention.torch, "empty", keep_pool)
+    step.kernel(None, splits=1)
+    (pool,) = pools
+    pool = pool.cpu().double()
+    heads = KV_HEADS * GROUP
+    assert pool.numel() == (1 * 7 + 2 * 20 + 1 * 23) * heads
+    end = 0
+    for q_len, s, k, q in zip(
+        step.q_lens, step.seq_lens, step.keys, step.q.split(step.q_lens), strict=True
+    ):
+        share = q_len * s
+        end += share
+        scores = q.double().transpose(0, 1) @ k.double().permute(1, 2, 0).repeat_interleave(
+            GROUP, 0
+        )
+        scores = (scores.to(DTYPE) * torch.tensor(SCALE, dtype=torch.float32).item()).to(DTYPE)
+        hidden = torch.arange(s)[None, :] > torch.arange(s - q_len, s)[:, None]  # [q, keys]
+        scores = scores.double().masked_fill(hidden, float("-inf"))  # [heads, q, keys]
+        for kv_head in range(KV_HEADS):
+            base = (end - share) * heads + kv_head * GROUP * share
+            got = pool[base : base + GROUP * share].view(q_len, GROUP, s)  # row = query, head
+            group = scores[kv_head * GROUP : (kv_head + 1) * GROUP].transpose(0, 1)
+            assert torch.equal(got, group), (s, kv_head)
+    assert end * heads == pool.numel()
+
+
+def test_a_long_row_keeps_its_scores_in_the_pool(monkeypatch):
+    """A row longer than any fixed per-row scratch would hold (here 150 keys) keeps its
+    scores when the batch's shares fit, beside short rows: the passes' bits."""
+    step = Step([1, 1, 1], [3, 150, 9], seed=10)
+    monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", 0)
+    passes = step.kernel(None, splits=1)
+    monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", 1024)
+    step.meta.derived.clear()
+    got = step.kernel(None, splits=1)
+    assert torch.equal(got.view(torch.int16), passes.view(torch.int16))
+    want = step.emulate(None)
+    assert same(got, want) > 0.995, same(got, want)
+
+
 def test_the_kv_sizing_sets_the_scratch_aside(tmp_path):
-    """A full batch of decodes takes the scratch that one long sequence (the profiling
+    """A batch of decodes takes the scores pool that one long sequence (the profiling
     forward) does not: the KV cache's sizing sets it aside for models with sinks only."""
     pytest.importorskip("transformers")
     from hf_reference import make_tiny_checkpoint
@@ -239,6 +313,6 @@ def test_the_kv_sizing_sets_the_scratch_aside(tmp_path):
         ckpt = make_tiny_checkpoint(family, tmp_path / family, seed=1, dtype=torch.float16)
         model = load_model(str(ckpt), device="cpu", dtype="float16").model
         layer = next(model.attention_layers())
-        want = triton_attention.sink_scratch_bytes(256, layer.num_heads, layer.num_kv_heads, 2)
-        assert decode_scratch_bytes(model, 256) == (want if sinks else 0)
-        assert want >= 256 * layer.num_heads * triton_attention.SINK_SCRATCH_KEYS * 2
+        want = triton_attention.sink_scratch_bytes(layer.num_heads, 2)
+        assert decode_scratch_bytes(model) == (want if sinks else 0)
+        assert want == layer.num_heads * triton_attention.SINK_SCORES_POOL * 2

@@ -97,20 +97,20 @@ def plan_num_blocks(
     graph_share = min(1.0, config.max_cudagraph_capture_size / config.max_num_batched_tokens)
     graphs = 0 if config.enforce_eager else int(peak * graph_share) + GRAPH_RESERVE_BYTES
     budget = int(total * config.gpu_memory_utilization) - in_use - peak - graphs
-    budget -= decode_scratch_bytes(model, config.max_num_seqs)
+    budget -= decode_scratch_bytes(model)
     return _agree(max(1, min(enough_for_all, budget // per_block)))
 
 
-def decode_scratch_bytes(model: MoEForCausalLM, num_seqs: int) -> int:
-    """The largest scratch one attention call takes at a full batch of decodes (sinks'
-    scores: ``triton_attention.sink_scratch_bytes``), which the profiling forward, one
-    long sequence, does not reach."""
+def decode_scratch_bytes(model: MoEForCausalLM) -> int:
+    """The largest scratch one attention call takes for a batch of decodes (the pool of
+    sinks' scores: ``triton_attention.sink_scratch_bytes``), which the profiling forward,
+    one long sequence, does not reach."""
     from moetrace.kernels.triton_attention import sink_scratch_bytes
 
     item = next(model.parameters()).element_size()
     return max(
         (
-            sink_scratch_bytes(num_seqs, layer.num_heads, layer.num_kv_heads, item)
+            sink_scratch_bytes(layer.num_heads, item)
             for layer in model.attention_layers()
             if layer.sinks is not None
         ),

@@ -30,6 +30,7 @@ Sliding window convention (checked against transformers' ``masking_utils``:
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import NamedTuple
 
@@ -507,6 +508,8 @@ def _paged_attention_kernel(
     part_acc_ptr,
     part_ml_ptr,
     scores_ptr,
+    pool_ends_ptr,
+    pool_size,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -542,7 +545,7 @@ def _paged_attention_kernel(
     PRECISE_EXP: tl.constexpr,
     HEADS_FAST: tl.constexpr = False,
     ONE_TILE: tl.constexpr = 0,
-    SCRATCH_KEYS: tl.constexpr = 0,
+    SCORES_POOL: tl.constexpr = False,
 ):
     """One (query tile, KV head[, key split]) of one class of sequences.
 
@@ -623,9 +626,14 @@ def _paged_attention_kernel(
     else:
         sink = m_i  # unused
     # ONE_TILE > 0 (sinks, decode tiles, no key splits: see _launch_class): rows whose
-    # visible keys fit one tile take it.  SCRATCH_KEYS > 0 (the same, full layers too):
-    # rows of up to that many keys keep their scores in scratch.  The others, and every
-    # row without sinks, take the passes.
+    # visible keys fit one tile take it.  SCORES_POOL (the same, full layers too): the
+    # rows of every decode sequence whose share of the scores pool ends within it
+    # (pool_ends_ptr: running sums of the shares, in order) keep their scores there.
+    # The others, and every row without sinks, take the passes.
+    in_pool = seq < 0  # false
+    if SCORES_POOL:
+        pool_end = tl.load(pool_ends_ptr + seq)
+        in_pool = pool_end <= pool_size
     if (row_hi - row_lo <= ONE_TILE) & (ONE_TILE > 0):
         if ONE_TILE > 0:
             acc = _sink_tile(
@@ -633,13 +641,18 @@ def _paged_attention_kernel(
                 score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                 stride_vh, ONE_TILE, BLOCK_SIZE, USE_WINDOW, DOT_PRECISION, PRECISE_EXP,
             )  # fmt: skip
-    elif (row_hi - row_lo <= SCRATCH_KEYS) & (SCRATCH_KEYS > 0):
-        if SCRATCH_KEYS > 0:
-            tile_row = (seq.to(tl.int64) * (num_heads // GROUP) + kv_head) * BLOCK_M + rows
+    elif in_pool:
+        if SCORES_POOL:
+            # Sequence seq's share of the pool: q_len * seq_len query-keys for each of
+            # num_heads heads, after those of the decode sequences before it; tile row r
+            # (query r // GROUP of this KV head's GROUP heads) keeps keys [lo, hi) from
+            # r * seq_len.
+            share = (q_len * seq_len).to(tl.int64)
+            base = (pool_end - share) * num_heads + kv_head * GROUP * share
             acc = _scratch_passes(
                 q, sink, row_lo, row_hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window,
                 score_scale, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                stride_vh, scores_ptr + tile_row * SCRATCH_KEYS, row_ok, BLOCK_N, BLOCK_SIZE,
+                stride_vh, scores_ptr + base + rows * seq_len, row_ok, BLOCK_N, BLOCK_SIZE,
                 USE_WINDOW, DOT_PRECISION, PRECISE_EXP,
             )  # fmt: skip
     else:
@@ -712,19 +725,43 @@ _SM_COUNT: dict[int, int] = {}
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
-# Decode rows with sinks of up to this many visible keys keep their scores in a scratch
-# row (``_scratch_passes``): K is read once, not three times.  The scratch takes
-# ``sequences x KV heads x tile rows x keys`` values a call (268 MB in bf16 at batch 256
-# for gpt-oss-20b); longer rows take the passes.  Read at each launch (tests change it).
-SINK_SCRATCH_KEYS = 4096
+# Decode rows with sinks keep their scores in a pool (``_scratch_passes``), so K is
+# read once, not three times: each decode sequence takes ``q_len * seq_len`` query-keys
+# of it for every head, in order, and the sequences past its end take the passes.
+# 2,097,152 query-keys are a batch of 256 single-query decodes at 8,192 keys, or 32 at
+# 65,536 (268 MB in bf16 for gpt-oss-20b's 64 heads).  Read at each launch (tests
+# change it).
+SINK_SCORES_POOL = 256 * 8192
 
 
-def sink_scratch_bytes(num_seqs: int, num_heads: int, num_kv_heads: int, itemsize: int) -> int:
-    """Bytes of the scratch a decode launch with sinks takes for ``num_seqs`` sequences
-    (``_launch_class``): the KV cache's sizing sets them aside, since its profiling
-    forward runs one long sequence, not a full batch of decodes."""
-    block_m = _tile_configs(num_heads // num_kv_heads)[0].block_m
-    return num_seqs * num_kv_heads * block_m * SINK_SCRATCH_KEYS * itemsize
+def sink_scratch_bytes(num_heads: int, itemsize: int) -> int:
+    """Bytes of the scores pool a decode launch with sinks takes (``_launch_class``):
+    the KV cache's sizing sets them aside, since its profiling forward runs one long
+    sequence, not a batch of decodes."""
+    return SINK_SCORES_POOL * num_heads * itemsize
+
+
+def _pool_ends(meta: AttentionMetadata, decode_max_q: int) -> torch.Tensor:
+    """int64 ``[B]``: each sequence's end in the scores pool, in query-keys a head: the
+    running sum of ``q_len * seq_len`` over the decode class's sequences (0 for others).
+    Computed once a forward, on the device, so captured graphs follow the lengths."""
+    name = f"pool_ends_{decode_max_q}"
+    if name not in meta.derived:
+        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        shares = torch.where(q_lens <= decode_max_q, q_lens * meta.seq_lens, 0)
+        meta.derived[name] = torch.cumsum(shares, 0, dtype=torch.int64)
+    return meta.derived[name]
+
+
+def _pool_size(meta: AttentionMetadata, decode_max_q: int) -> int:
+    """Query-keys a head the pool holds this launch: ``SINK_SCORES_POOL``, or less when
+    the host knows the lengths (an eager step) and the decode sequences need less."""
+    if not meta.seq_lens_host:
+        return SINK_SCORES_POOL
+    starts = meta.query_start_loc_host
+    q_lens = [b - a for a, b in itertools.pairwise(starts)]
+    need = sum(q * s for q, s in zip(q_lens, meta.seq_lens_host, strict=True) if q <= decode_max_q)
+    return min(SINK_SCORES_POOL, need)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -818,15 +855,14 @@ def _launch_class(
     if sinks is not None and decode and splits == 1 and use_window and sliding_window <= 128:
         one_tile = max(16, triton.next_power_of_2(int(sliding_window)))
     # Rows that one tile holds never need it (a window layer's single-query rows).
-    scratch_keys = 0
-    if sinks is not None and decode and splits == 1 and not one_tile:
-        scratch_keys = SINK_SCRATCH_KEYS
-    if scratch_keys:  # a row of scores per tile row, for rows of up to scratch_keys keys
-        scores = torch.empty(
-            (num_seqs * num_kv_heads * cfg.block_m, scratch_keys), dtype=q.dtype, device=q.device
-        )
+    pool = sinks is not None and decode and splits == 1 and not one_tile
+    pool_size = _pool_size(meta, decode_max_q) if pool else 0
+    pool = pool and pool_size > 0
+    if pool:
+        scores = torch.empty(pool_size * num_heads, dtype=q.dtype, device=q.device)
+        pool_ends = _pool_ends(meta, decode_max_q)
     else:
-        scores = out  # unused
+        scores = pool_ends = out  # unused
     if splits > 1:
         part_acc = torch.empty(
             (num_seqs, num_heads, splits, block_d), dtype=torch.float32, device=q.device
@@ -844,6 +880,8 @@ def _launch_class(
         part_acc,
         part_ml,
         scores,
+        pool_ends,
+        pool_size,
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
@@ -880,7 +918,7 @@ def _launch_class(
         PRECISE_EXP=q.is_cuda,
         HEADS_FAST=heads_fast,
         ONE_TILE=one_tile,
-        SCRATCH_KEYS=scratch_keys,
+        SCORES_POOL=pool,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
