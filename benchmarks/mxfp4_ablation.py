@@ -1,6 +1,7 @@
 """What a cheaper MXFP4 decoder, or another layout, would buy: stand-ins in the fragment GEMMs.
 
     PYTHONPATH=. python3 benchmarks/mxfp4_ablation.py [--variants real,multiplies,...] [--balanced]
+    PYTHONPATH=. python3 benchmarks/mxfp4_ablation.py --block-kinds
 
 Each variant replaces the fast decoder's PTX block (``kernels/mxfp4_layout.py``)
 with one that issues fewer or other instructions and computes *wrong values*
@@ -25,6 +26,13 @@ any decoder rewrite can save:
 ``--balanced`` routes every expert exactly ``T k / E`` tokens (32 at batch
 256), so no expert needs a second token block: what the routing's imbalance
 costs the GEMMs.
+
+``--block-kinds`` (the real decoder) splits a random routing's pairs by their
+expert's load: experts of up to 32 tokens (one block) and of more (two blocks
+of 32, or one of 64 that decodes each weight once), each kind timed as its own
+call of the fused MoE (top-1 over the kind's pairs), on 32- and 64-token tiles,
+and both kinds side by side on two streams: what giving the loaded experts
+blocks of their own would buy.
 """
 
 from __future__ import annotations
@@ -130,12 +138,73 @@ def time_variant(name: str, balanced: bool) -> float:
     return min(moe_tiles.time_graph(fn) for _ in range(3)) * 1e3
 
 
+def block_kinds() -> None:
+    """The ``--block-kinds`` timings (see the module doc), printed as they come."""
+    import moe_tiles
+    import torch
+
+    from moetrace.kernels import triton_moe as tm
+
+    shape = moe_tiles.SHAPES["gpt-oss-mx-frag"]
+    experts, x, weights, ids, _ = moe_tiles.build(shape, 256)
+    extras = experts._kernel_extras()
+    counts = torch.bincount(ids.flatten().long(), minlength=shape.experts)
+    print(f"tokens an expert: {sorted(counts.tolist())}")
+    pair_expert = ids.flatten().long()
+    pair_token = torch.arange(ids.numel(), device=ids.device) // shape.top_k
+    one_block = counts[pair_expert] <= 32
+    tiles = {
+        "32-token blocks": tm.FRAGMENT_DECODE,
+        "64-token blocks, 4 warps": tm.MoEConfig(64, 128, 128, 8, 4, 3, mxfp4_native=False),
+        "64-token blocks, 8 warps": tm.MoEConfig(64, 128, 128, 8, 8, 3, mxfp4_native=False),
+        "64 tokens x 64 rows": tm.MoEConfig(64, 64, 128, 8, 4, 3, mxfp4_native=False),
+    }
+
+    def call(mask: torch.Tensor, cfg: tm.MoEConfig):
+        rows = x[pair_token[mask]].contiguous()
+        kind_ids = ids.flatten()[mask][:, None].contiguous()
+        ones = torch.ones(kind_ids.shape, dtype=torch.bfloat16, device=ids.device)
+        return lambda: tm.fused_moe_with_config(
+            rows, experts.w13, experts.w2, ones, kind_ids, cfg, shape.activation, extras=extras
+        )
+
+    def us(fn) -> float:
+        return min(moe_tiles.time_graph(fn) for _ in range(3)) * 1e3
+
+    kinds = {"all pairs": torch.ones_like(one_block), "one-block experts": one_block}
+    kinds["two-block experts"] = ~one_block
+    for kind, mask in kinds.items():
+        for label, cfg in tiles.items():
+            if kind == "one-block experts" and cfg is not tm.FRAGMENT_DECODE:
+                continue
+            print(f"{kind:18s} {label:25s} {us(call(mask, cfg)):7.1f} us", flush=True)
+    side = torch.cuda.Stream()
+    for label, cfg in tiles.items():
+        if cfg.block_n != 128:
+            continue
+        small, loaded = call(one_block, tm.FRAGMENT_DECODE), call(~one_block, cfg)
+
+        def both(small=small, loaded=loaded) -> None:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            small()
+            with torch.cuda.stream(side):
+                loaded()
+            main.wait_stream(side)
+
+        print(f"side by side: one-block experts 32-token, two-block {label}: {us(both):7.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--balanced", action="store_true")
+    parser.add_argument("--block-kinds", action="store_true")
     parser.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.block_kinds:
+        block_kinds()
+        return
     if args.one:
         print(f"{time_variant(args.one, args.balanced):.1f}")
         return
