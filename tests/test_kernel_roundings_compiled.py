@@ -22,6 +22,7 @@ H200 = GPUTarget("cuda", 90, 32)
 SCALARS = {"eps": "fp32", "inv_dim": "fp32", "score_scale": "fp32"}
 FLOAT32_POINTERS = {"part_acc_ptr", "part_ml_ptr"}
 INT_POINTERS = {"query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "bt_stride_ptr"}
+INT64_POINTERS = {"pool_ends_ptr"}
 
 
 def ptx(fn, constants: dict, **options) -> str:
@@ -35,6 +36,8 @@ def ptx(fn, constants: dict, **options) -> str:
             return "*fp32"
         if name in INT_POINTERS:
             return "*i32"
+        if name in INT64_POINTERS:
+            return "*i64"
         if name.endswith("_ptr"):
             return "*bf16"
         return SCALARS.get(name, "i32")
@@ -59,16 +62,16 @@ def test_rms_norm_fuses_no_product_into_an_add(weight_in_float32):
     assert "fma.rn.f32" in fused
 
 
-# The key passes; a window layer's one tile; scores kept in scratch.
-@pytest.mark.parametrize(("one_tile", "scratch_keys"), [(0, 0), (128, 0), (0, 1024)])
-def test_sink_attention_divides_as_ieee(one_tile, scratch_keys):
+# The key passes; a window layer's one tile; scores kept in the pool.
+@pytest.mark.parametrize(("one_tile", "scores_pool"), [(0, False), (128, False), (0, True)])
+def test_sink_attention_divides_as_ieee(one_tile, scores_pool):
     """Each probability is ``exp / sum`` correctly rounded, as torch's softmax divides,
     not the approximate division Triton emits for ``/``."""
     constants = {
         "GROUP": 8, "BLOCK_Q": 2, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 64, "BLOCK_D": 64,
         "BLOCK_SIZE": 16, "NUM_SPLITS": 1, "DECODE_CLASS": True, "USE_WINDOW": True,
         "DOT_PRECISION": "tf32", "HAS_SINKS": True, "PRECISE_EXP": True, "ONE_TILE": one_tile,
-        "SCRATCH_KEYS": scratch_keys,
+        "SCORES_POOL": scores_pool,
     }  # fmt: skip
     code = ptx(triton_attention._paged_attention_kernel, constants, num_warps=4, num_stages=2)
     assert "div.rn.f32" in code
