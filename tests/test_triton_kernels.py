@@ -887,6 +887,51 @@ def test_fragment_kernels_read_the_fused_routings_table() -> None:
     assert torch.equal(table_out, call())
 
 
+@pytest.mark.parametrize("tokens", [29, 90])
+def test_fragment_kernels_give_loaded_experts_their_own_blocks(tokens: int) -> None:
+    """With ``loaded_block_m`` the fused routing puts experts of more than ``block_m``
+    pairs in blocks of their own (here 64 rows, an expert of more than 64 in two) and
+    the GEMMs run both kinds; every pair is in one block, and the output is the one-kind
+    table's, bit for bit (each output is one row's products, whatever the block)."""
+    from test_triton_routing import table_groups
+
+    from moetrace.kernels.triton_moe import fused_moe_with_config, moe_config
+    from moetrace.kernels.triton_routing import route_and_align
+
+    experts = gpt_oss_experts("mxfp4-fragment", 96, 96, seed=33, num_experts=5)
+    gen = torch.Generator().manual_seed(34)
+    x = torch.randn(tokens, 96, generator=gen).to(BF16).to(DEVICE)
+    logits = torch.randn(tokens, 5, generator=gen)
+    logits[:, 1] += 2.0  # expert 1 takes most tokens: past 64 pairs at 90 tokens
+    logits = logits.to(DEVICE)
+    cfg = moe_config(tokens, 2, 5, mxfp4=True, layout="fragment")
+    one = route_and_align(logits, 2, "topk_softmax", cfg.block_m, weights_dtype=BF16)
+    two = route_and_align(
+        logits, 2, "topk_softmax", cfg.block_m, weights_dtype=BF16, loaded_block_m=64
+    )
+    assert torch.equal(one.ids, two.ids)
+    counts = torch.bincount(two.ids.flatten().long().cpu(), minlength=5)
+    kinds = two.aligned, two.aligned.loaded
+    groups = [table_groups(kind) for kind in kinds]
+    assert [e for e, _ in groups[0]] == [e for e in range(5) if 0 < counts[e] <= 32]
+    loaded = [e for e in range(5) if counts[e] > 32]
+    assert sorted({e for e, _ in groups[1]}) == loaded
+    assert len(groups[1]) == sum((int(counts[e]) + 63) // 64 for e in loaded)
+    if tokens == 90:
+        assert loaded and max(counts) > 64
+    pairs = sorted(p for kind in groups for _, group in kind for p in group)
+    assert pairs == list(range(tokens * 2))
+
+    def call(fused) -> torch.Tensor:
+        poison_allocator()
+        return fused_moe_with_config(
+            x, experts.w13, experts.w2, fused.weights, fused.ids, cfg, "clamped_swiglu",
+            extras=experts._kernel_extras(), aligned=fused.aligned, weights_f32=fused.weights_f32,
+        )  # fmt: skip
+
+    assert torch.equal(call(two), call(one))
+
+
 def test_fragment_kernel_in_float32() -> None:
     """float32 activations: the generic decoder and exact float32 products."""
     experts = gpt_oss_experts("mxfp4-fragment", 96, 64, seed=13).float()

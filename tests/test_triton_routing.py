@@ -163,6 +163,9 @@ def test_route_and_align_of_no_tokens_uses_no_rows():
     fused = route_and_align(logits, 8, "softmax_topk", 32)
     assert fused.ids.shape == (0, 8)
     assert int(fused.aligned.num_rows_padded) == 0
+    fused = route_and_align(logits, 8, "softmax_topk", 32, loaded_block_m=64)
+    assert int(fused.aligned.num_rows_padded) == 0
+    assert int(fused.aligned.loaded.num_rows_padded) == 0
 
 
 def test_experts_give_the_same_output_from_either_layout():

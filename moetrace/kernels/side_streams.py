@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -34,17 +35,23 @@ def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
 def run_in_parts(launch: Callable[[int, int], None], parts: int, device: torch.device) -> None:
     """``launch(part, parts)`` for every part: part 0 on the current stream, the others
     beside it on side streams, all joined before this returns (in stream order)."""
-    if parts == 1 or device.type != "cuda":
-        for part in range(parts):
-            launch(part, parts)
+    run_beside([partial(launch, part, parts) for part in range(parts)], device)
+
+
+def run_beside(launches: list[Callable[[], None]], device: torch.device) -> None:
+    """Each of ``launches``: the first on the current stream, the others beside it on side
+    streams, all joined before this returns (in stream order)."""
+    if len(launches) == 1 or device.type != "cuda":
+        for launch in launches:
+            launch()
         return
     main = torch.cuda.current_stream(device)
-    sides = side_streams(device, parts - 1)
+    sides = side_streams(device, len(launches) - 1)
     for stream in sides:
         stream.wait_stream(main)
-    launch(0, parts)
-    for part, stream in enumerate(sides, start=1):
+    launches[0]()
+    for launch, stream in zip(launches[1:], sides, strict=True):
         with torch.cuda.stream(stream):
-            launch(part, parts)
+            launch()
     for stream in sides:
         main.wait_stream(stream)

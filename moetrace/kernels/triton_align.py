@@ -24,6 +24,11 @@ class AlignedRouting(NamedTuple):
     routing kernel, ``kernels/triton_routing.py``): ``sorted_pair_ids`` is a
     ``[E, T]`` table, expert ``e``'s pairs in its row, and row block ``b``
     holds the ``block_rows[b]`` pairs from slot ``block_slots[b]`` on.
+
+    ``loaded`` (table layout, optional): the experts with more than ``block_m``
+    pairs are not in these blocks but in ``loaded``'s, of ``loaded.block_m``
+    rows over the same table, for GEMMs of their own tile (each weight decoded
+    once for up to that many pairs; ``kernels/triton_moe.py``).
     """
 
     sorted_pair_ids: torch.Tensor  # int32 [P]: pair index t*k+j, or num_pairs for padding
@@ -32,6 +37,7 @@ class AlignedRouting(NamedTuple):
     block_m: int
     block_slots: torch.Tensor | None = None  # int32 [P // block_m], table layout only
     block_rows: torch.Tensor | None = None  # int32 [P // block_m], table layout only
+    loaded: AlignedRouting | None = None  # the loaded experts' blocks (see above)
 
     @property
     def num_blocks(self) -> int:
@@ -52,20 +58,45 @@ class AlignedRouting(NamedTuple):
 
     @classmethod
     def table_for(
-        cls, num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device
+        cls,
+        num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        block_m: int,
+        device: torch.device,
+        loaded_block_m: int | None = None,
     ) -> AlignedRouting:
-        """Uninitialised table-layout buffers for ``num_tokens`` tokens' pairs, one allocation."""
-        blocks = padded_rows_bound(num_tokens * top_k, num_experts, block_m) // block_m
+        """Uninitialised table-layout buffers for ``num_tokens`` tokens' pairs, one allocation;
+        with ``loaded_block_m``, the loaded experts' blocks too (``loaded``)."""
+        pairs = num_tokens * top_k
+        if loaded_block_m is None:
+            blocks = padded_rows_bound(pairs, num_experts, block_m) // block_m
+            loaded_blocks = 0
+        else:  # one block an expert of up to block_m pairs; the others' blocks apart
+            blocks = min(num_experts, pairs)
+            loaded = min(num_experts, pairs // (block_m + 1))
+            loaded_blocks = padded_rows_bound(pairs, loaded, loaded_block_m) // loaded_block_m
         table = num_experts * num_tokens
-        work = torch.empty(table + 3 * blocks + 1, dtype=torch.int32, device=device)
-        return cls(
-            work[:table],
-            work[table : table + blocks],
-            work[-1:],
-            block_m,
-            work[table + blocks : table + 2 * blocks],
-            work[table + 2 * blocks : table + 3 * blocks],
+        work = torch.empty(
+            table + 3 * (blocks + loaded_blocks) + 2, dtype=torch.int32, device=device
         )
+        table_ids, work = work[:table], work[table:]
+
+        def blocks_of(n: int, m: int, rest: torch.Tensor) -> AlignedRouting:
+            return cls(
+                table_ids,
+                rest[:n],
+                rest[3 * n : 3 * n + 1],
+                m,
+                rest[n : 2 * n],
+                rest[2 * n : 3 * n],
+            )
+
+        main = blocks_of(blocks, block_m, work)
+        if loaded_block_m is None:
+            return main
+        rest = work[3 * blocks + 1 :]
+        return main._replace(loaded=blocks_of(loaded_blocks, loaded_block_m, rest))
 
 
 def padded_rows_bound(num_pairs: int, num_experts: int, block_m: int) -> int:

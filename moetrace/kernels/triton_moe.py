@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from moetrace.kernels.mxfp4_layout import LAYOUTS, scale_shape
-from moetrace.kernels.side_streams import EXPERT_STREAMS, run_in_parts
+from moetrace.kernels.side_streams import EXPERT_STREAMS, run_beside, run_in_parts
 from moetrace.kernels.triton_align import AlignedRouting, align_routing
 from moetrace.kernels.triton_mxfp4 import fragment_operand, fragment_tile
 from moetrace.kernels.triton_rounding import round_to
@@ -618,6 +619,9 @@ class MoEConfig(NamedTuple):
     num_stages: int
     mxfp4_native: bool = True  # MXFP4 decoded by tl.dot_scaled (else the kernel's bit decoder)
     maxnreg: int | None = None  # a register cap, for more resident programs (None: ptxas's)
+    # Experts of more than block_m rows in blocks of this many, GEMMs of their own beside
+    # the others' (routings the fused kernel groups; None: one kind of block).
+    loaded_block_m: int | None = None
 
 
 def _launch_options(cfg: MoEConfig) -> dict:
@@ -660,10 +664,16 @@ def moe_config(
     decoder's best, 582 us; 251 us with chunk-major words, where 4 stages,
     K steps of 256 and 64-token blocks stay as fast or slower); 128 x 128 x
     128, 4 warps at T=8192, 4.62 ms (1.25x ``tl.dot_scaled``'s best, 5.76 ms).
+    From 16 rows an expert, routings the fused kernel groups give the experts
+    of more than 32 pairs 64-row blocks and GEMMs of their own beside the
+    others' (``FRAGMENT_DECODE_LOADED``; one layer at T=256, the two kinds side
+    by side: 229.6 us against 244.3 in one kind).
     """
     rows_per_expert = num_tokens * top_k / num_experts
     if mxfp4 and layout == "fragment":
-        return FRAGMENT_DECODE if rows_per_expert <= 160 else FRAGMENT_PREFILL
+        if rows_per_expert > 160:
+            return FRAGMENT_PREFILL
+        return FRAGMENT_DECODE_LOADED if rows_per_expert >= 16 else FRAGMENT_DECODE
     if mxfp4:
         if rows_per_expert <= 160:
             return MoEConfig(64, 128, 64, 8, 4, 4, mxfp4_native=False)
@@ -677,6 +687,9 @@ def moe_config(
 
 # Fragment-layout MXFP4 tiles (``moe_config``): decode steps (up to 160 rows an expert), prefill.
 FRAGMENT_DECODE = MoEConfig(32, 128, 128, 8, 4, 3, mxfp4_native=False)
+# From 16 rows an expert on (gpt-oss at 128 tokens and more) many experts pass 32 pairs:
+# those take 64-row blocks of their own, each weight decoded once, beside the others.
+FRAGMENT_DECODE_LOADED = FRAGMENT_DECODE._replace(loaded_block_m=64)
 FRAGMENT_PREFILL = MoEConfig(128, 128, 128, 8, 4, 3, mxfp4_native=False)
 
 
@@ -853,6 +866,8 @@ def fused_moe_with_config(
             )
         if capture is not None or capture_weights is not None:
             raise ValueError("prepared routing was captured by the router's kernel already")
+        if aligned.loaded is not None and not fragment:
+            raise ValueError("loaded experts' blocks are read by the MXFP4 fragment GEMMs only")
         routing = aligned
         weights = weights_f32.reshape(-1)
     num_m_blocks = routing.num_blocks
@@ -1030,7 +1045,6 @@ def _fragment_gemms(
     common = dict(
         FAST=fast,
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",  # float32: exact products
-        BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         PAIR_TABLE=routing.is_table,
@@ -1038,8 +1052,9 @@ def _fragment_gemms(
     )
     channels = cfg.block_n // 2  # gate and up rows of each channel
 
-    def launch(part: int, parts: int) -> None:
-        blocks = _part_blocks(num_m_blocks, part, parts)
+    def launch(routing: AlignedRouting, h: torch.Tensor, part: int, parts: int) -> None:
+        blocks = _part_blocks(routing.num_blocks, part, parts)
+        kind = dict(common, BLOCK_M=routing.block_m)
         _gate_up_fragment_kernel[(blocks * triton.cdiv(inter, channels),)](
             hidden, w13, h, b13, s13,
             routing.sorted_pair_ids, routing.block_expert_ids, routing.num_rows_padded, *routing.table_args,
@@ -1049,7 +1064,7 @@ def _fragment_gemms(
             extras.swiglu_alpha, extras.swiglu_limit,
             TOP_K=num_pairs // num_tokens, ACTIVATION=activation, HAS_BIAS=extras.b13 is not None,
             BLOCK_N=channels, EVEN_K=hidden_size % cfg.block_k == 0,
-            FULL_STEP=hidden_size >= cfg.block_k, BLOCK_PARTS=parts, PART=part, **common,
+            FULL_STEP=hidden_size >= cfg.block_k, BLOCK_PARTS=parts, PART=part, **kind,
         )  # fmt: skip
         _down_fragment_kernel[(blocks * triton.cdiv(hidden_size, cfg.block_n),)](
             h, w2, y, b2, s2, weights,
@@ -1058,11 +1073,22 @@ def _fragment_gemms(
             h.stride(0), w2.stride(0), w2.shape[1] * 64, y.stride(0), b2.stride(0),
             s2.stride(0), s2.stride(1),
             HAS_BIAS=extras.b2 is not None, BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0,
-            FULL_STEP=inter >= cfg.block_k, BLOCK_PARTS=parts, PART=part, **common,
+            FULL_STEP=inter >= cfg.block_k, BLOCK_PARTS=parts, PART=part, **kind,
         )  # fmt: skip
 
+    loaded = routing.loaded
+    if loaded is not None:
+        # The loaded experts' blocks decode each weight once for up to loaded.block_m
+        # pairs; beside the others' on a side stream they fill the gaps those leave
+        # (docs/benchmarks.md, "What the MXFP4 GEMMs' second token blocks cost").
+        h_loaded = hidden.new_empty((loaded.num_blocks * loaded.block_m, inter))
+        run_beside(
+            [partial(launch, routing, h, 0, 1), partial(launch, loaded, h_loaded, 0, 1)],
+            hidden.device,
+        )
+        return
     parts = expert_parts(num_pairs / w13.shape[0], num_m_blocks, FRAGMENT_STREAMS)
-    run_in_parts(launch, parts, hidden.device)
+    run_in_parts(partial(launch, routing, h), parts, hidden.device)
 
 
 # ---------------------------------------------------------------------------

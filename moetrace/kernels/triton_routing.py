@@ -227,6 +227,11 @@ def _route_kernel(
     table_stride,
     ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    loaded_expert_ids_ptr=None,
+    loaded_slots_ptr=None,
+    loaded_rows_ptr=None,
+    loaded_rows_padded_ptr=None,
+    LOADED_M: tl.constexpr = 0,
 ):
     """``ROWS`` tokens: pick ``TOP_K`` experts, weigh them, write ids, weights and captures.
 
@@ -315,7 +320,8 @@ def _route_kernel(
         _group_pairs(
             ids, pair.to(tl.int32), ok, work_ptr, table_ptr, block_expert_ids_ptr,
             block_slots_ptr, block_rows_ptr, num_rows_padded_ptr, num_experts, table_stride,
-            EXPERTS_P2, BLOCK_M,
+            EXPERTS_P2, BLOCK_M, loaded_expert_ids_ptr, loaded_slots_ptr, loaded_rows_ptr,
+            loaded_rows_padded_ptr, LOADED_M,
         )  # fmt: skip
 
 
@@ -334,6 +340,11 @@ def _group_pairs(
     table_stride,
     EXPERTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    loaded_expert_ids_ptr,
+    loaded_slots_ptr,
+    loaded_rows_ptr,
+    loaded_rows_padded_ptr,
+    LOADED_M: tl.constexpr,
 ):
     """Group this program's pairs by expert; the last program to finish labels the row blocks.
 
@@ -350,6 +361,10 @@ def _group_pairs(
     count, so blocks past it are never read.  Slots within an expert's row
     follow the atomics' order, which the GEMMs' results do not depend on (each
     row is computed alone and written back by pair index).
+
+    ``LOADED_M > 0``: an expert of more than ``BLOCK_M`` pairs takes
+    ``ceil(count / LOADED_M)`` blocks of ``LOADED_M`` rows in the ``loaded_*``
+    arrays instead (``AlignedRouting.loaded``), the others one ``BLOCK_M`` block.
     """
     slot = tl.atomic_add(work_ptr + ids, 1, mask=ok)
     tl.store(table_ptr + ids.to(tl.int64) * table_stride + slot, pair, mask=ok)
@@ -360,16 +375,37 @@ def _group_pairs(
         real = experts < num_experts
         counts = tl.atomic_xchg(work_ptr + experts, tl.zeros([EXPERTS_P2], tl.int32), mask=real)
         counts = tl.where(real, counts, 0)
-        blocks = (counts + BLOCK_M - 1) // BLOCK_M
-        first = tl.cumsum(blocks, 0) - blocks
-        tl.store(num_rows_padded_ptr, tl.sum(blocks, 0) * BLOCK_M)
-        for j in range(0, tl.max(blocks, 0)):
-            has = j < blocks
-            tl.store(block_expert_ids_ptr + first + j, experts, mask=has)
-            tl.store(block_slots_ptr + first + j, experts * table_stride + j * BLOCK_M, mask=has)
-            rows = tl.minimum(counts - j * BLOCK_M, BLOCK_M)
-            tl.store(block_rows_ptr + first + j, rows, mask=has)
+        if LOADED_M > 0:
+            loaded = tl.where(counts > BLOCK_M, (counts + LOADED_M - 1) // LOADED_M, 0)
+            _label_blocks(
+                experts, counts, loaded, table_stride, loaded_expert_ids_ptr, loaded_slots_ptr,
+                loaded_rows_ptr, loaded_rows_padded_ptr, LOADED_M,
+            )  # fmt: skip
+            blocks = ((counts > 0) & (counts <= BLOCK_M)).to(tl.int32)
+        else:
+            blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        _label_blocks(
+            experts, counts, blocks, table_stride, block_expert_ids_ptr, block_slots_ptr,
+            block_rows_ptr, num_rows_padded_ptr, BLOCK_M,
+        )  # fmt: skip
         tl.atomic_xchg(work_ptr + EXPERTS_P2, 0)
+
+
+@triton.jit
+def _label_blocks(
+    experts, counts, blocks, table_stride, block_expert_ids_ptr, block_slots_ptr,
+    block_rows_ptr, num_rows_padded_ptr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Expert ``e``'s ``blocks[e]`` row blocks of ``BLOCK_M`` rows, in expert order: for each
+    its expert, its first slot in the table and how many of its rows hold pairs."""
+    first = tl.cumsum(blocks, 0) - blocks
+    tl.store(num_rows_padded_ptr, tl.sum(blocks, 0) * BLOCK_M)
+    for j in range(0, tl.max(blocks, 0)):
+        has = j < blocks
+        tl.store(block_expert_ids_ptr + first + j, experts, mask=has)
+        tl.store(block_slots_ptr + first + j, experts * table_stride + j * BLOCK_M, mask=has)
+        rows = tl.minimum(counts - j * BLOCK_M, BLOCK_M)
+        tl.store(block_rows_ptr + first + j, rows, mask=has)
 
 
 def launch_shape(experts_p2: int) -> tuple[int, int]:
@@ -432,21 +468,37 @@ def route_and_align(
     capture: torch.Tensor | None = None,
     capture_weights: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
+    loaded_block_m: int | None = None,
 ) -> FusedRouting:
     """``route``, and in the same launch the pairs grouped by expert in ``block_m``-row
     blocks for the GEMMs (``_group_pairs``; the layout ``AlignedRouting`` calls a table).
 
     ``work``: ``grouping_work``'s counters, left zeroed by every call; by default
     fresh ones each call.  Two calls must not share them at the same time.
+    ``loaded_block_m``: experts of more than ``block_m`` pairs get blocks of this
+    many rows of their own (``AlignedRouting.loaded``).
     """
     if work is None:
         work = grouping_work(logits.shape[1], logits.device)
     weights, ids, weights_f32, aligned = _route(
         logits, top_k, scoring, renormalize=renormalize, scaling=scaling,
         weights_dtype=weights_dtype, capture=capture, capture_weights=capture_weights,
-        group=(block_m, work),
+        group=(block_m, work, loaded_block_m),
     )  # fmt: skip
     return FusedRouting(weights, ids, weights_f32, aligned)
+
+
+def _loaded_args(loaded: AlignedRouting | None) -> dict:
+    """The routing kernel's arguments for the loaded experts' blocks (none: not labelled)."""
+    if loaded is None:
+        return {}
+    return dict(
+        loaded_expert_ids_ptr=loaded.block_expert_ids,
+        loaded_slots_ptr=loaded.block_slots,
+        loaded_rows_ptr=loaded.block_rows,
+        loaded_rows_padded_ptr=loaded.num_rows_padded,
+        LOADED_M=loaded.block_m,
+    )
 
 
 def _route(
@@ -461,9 +513,10 @@ def _route(
     capture_weights: torch.Tensor | None,
     rows: int | None = None,
     num_warps: int | None = None,
-    group: tuple[int, torch.Tensor] | None = None,
+    group: tuple[int, torch.Tensor, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AlignedRouting | None]:
-    """``route``'s launch; ``group`` (block_m, work counters) also groups the pairs."""
+    """``route``'s launch; ``group`` (block_m, work counters, loaded experts' block_m)
+    also groups the pairs."""
     if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}; have {sorted(SCORINGS)}")
     num_tokens, num_experts = logits.shape
@@ -482,15 +535,19 @@ def _route(
         weights if weights_dtype == torch.float32 else torch.empty_like(ids, dtype=torch.float32)
     )
     experts_p2 = triton.next_power_of_2(num_experts)
-    block_m, work = group if group is not None else (1, ids)
+    block_m, work, loaded_block_m = group if group is not None else (1, ids, None)
     aligned = None
     if group is not None:
         if work.dtype != torch.int32 or work.numel() != experts_p2 + 1 or work.device != device:
             raise ValueError(f"grouping counters must be int32 [{experts_p2 + 1}] on {device}")
-        aligned = AlignedRouting.table_for(num_tokens, top_k, num_experts, block_m, device)
+        aligned = AlignedRouting.table_for(
+            num_tokens, top_k, num_experts, block_m, device, loaded_block_m
+        )
     if num_tokens == 0:
         if aligned is not None:
             aligned.num_rows_padded.zero_()
+            if aligned.loaded is not None:
+                aligned.loaded.num_rows_padded.zero_()
         return weights, ids, weights_f32, aligned
     # Triton's interpreter runs programs one by one: 16 rows a program there keeps the
     # CPU tests quick, and a row's results do not depend on its program's other rows.
@@ -532,6 +589,7 @@ def _route(
         table_stride=num_tokens,
         ALIGN=group is not None,
         BLOCK_M=block_m,
+        **_loaded_args(table.loaded),
         num_warps=num_warps or default_warps,
     )
     return weights, ids, weights_f32, aligned

@@ -311,6 +311,7 @@ class MoEExperts(nn.Module):
             capture=capture,
             capture_weights=capture_weights,
             work=self._grouping_work,
+            loaded_block_m=cfg.loaded_block_m,
         )
         self._prepared = _PreparedRouting(*fused)
         return fused.weights, fused.ids
