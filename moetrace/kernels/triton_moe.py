@@ -957,7 +957,8 @@ def fused_moe_with_config(
 # experts at T=256, four layers chained on the H200: 270.6 us in one part, 279.2 in
 # two; ``python benchmarks/steady_state.py streams``).  Split by expert instead, so that
 # an expert's two row blocks run together, they gained 3 us chained but the decode step
-# lost 0.24 ms (docs/benchmarks.md).
+# lost 0.24 ms (docs/benchmarks.md).  What does gain is two kinds of block, each with
+# its tile (``FRAGMENT_DECODE_LOADED``): gpt-oss-20b's decode step 9.23 -> 8.71 ms.
 FRAGMENT_STREAMS = 1
 
 
