@@ -17,8 +17,14 @@ MXFP4 shapes: ``gpt-oss-mx`` (checkpoint layout, ``tl.dot_scaled``),
 ``gpt-oss-mx-frag`` (the fragment layout of ``kernels/mxfp4_layout.py``, whose
 ``block_n`` counts weight rows).  Run together, the last lines compare each
 shape's best with the first shape's.  ``--tiles 32,128,128,8,4,3 ...`` times
-only the tiles given (block_m, block_n, block_k, group_m, warps, stages; the
-rest as the shape's default), for comparing trees or layouts side by side.
+only the tiles given (block_m, block_n, block_k, group_m, warps, stages and,
+optionally, the loaded experts' block, 0 for none; the rest as the shape's
+default), for comparing trees or layouts side by side.
+
+A config with ``loaded_block_m`` (the fragment default from 16 rows an
+expert) runs as the engine runs it: the pairs grouped by the fused routing
+kernel, in two kinds of block, the routing's launch inside the timed call
+(where the others time ``align_routing``'s).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import graph_replay
 import torch
 
 from moetrace.kernels import triton_moe as tm
+from moetrace.kernels.triton_routing import route_and_align
 from moetrace.layers.moe import MoEExperts
 
 
@@ -149,10 +156,26 @@ def build(shape: Shape, tokens: int, seed: int = 0):
 def runner(shape: Shape, built, cfg: tm.MoEConfig):
     experts, x, wts, ids, _ = built
     extras = experts._kernel_extras() if shape.activation == "clamped_swiglu" else None
-    return lambda: tm.fused_moe_with_config(
-        x, experts.w13, experts.w2, wts, ids, cfg, shape.activation,
-        extras=extras, mxfp4_native=shape.native,
-    )  # fmt: skip
+    if cfg.loaded_block_m is None:
+        return lambda: tm.fused_moe_with_config(
+            x, experts.w13, experts.w2, wts, ids, cfg, shape.activation,
+            extras=extras, mxfp4_native=shape.native,
+        )  # fmt: skip
+    # Logits whose top-k are these ids and whose softmax over them gives these weights.
+    logits = torch.full((ids.shape[0], shape.experts), -1e4, device=ids.device)
+    logits.scatter_(1, ids.long(), wts.float().log())
+
+    def grouped_by_the_router() -> torch.Tensor:
+        fused = route_and_align(
+            logits, shape.top_k, "topk_softmax", cfg.block_m, weights_dtype=x.dtype,
+            loaded_block_m=cfg.loaded_block_m,
+        )  # fmt: skip
+        return tm.fused_moe_with_config(
+            x, experts.w13, experts.w2, fused.weights, fused.ids, cfg, shape.activation,
+            extras=extras, aligned=fused.aligned, weights_f32=fused.weights_f32,
+        )  # fmt: skip
+
+    return grouped_by_the_router
 
 
 def compile_share(args: tuple[list[str], int, int, int]) -> int:
@@ -183,6 +206,15 @@ def time_graph(fn) -> float:
     return do_bench(graph_replay.graphed(fn), warmup=10, rep=60, return_mode="median")
 
 
+def parse_tile(default: tm.MoEConfig, text: str) -> tm.MoEConfig:
+    """``BM,BN,BK,GROUP,WARPS,STAGES[,LOADED_BM]`` over ``default`` (``LOADED_BM`` 0: one kind)."""
+    values = [int(v) for v in text.split(",")]
+    tile = default._replace(**dict(zip(TILE_FIELDS, values[:6], strict=True)))
+    if len(values) == 7:
+        tile = tile._replace(loaded_block_m=values[6] or None)
+    return tile
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
@@ -192,7 +224,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--tiles", nargs="+", default=None, help="only these tiles: BM,BN,BK,GROUP,WARPS,STAGES"
+        "--tiles",
+        nargs="+",
+        default=None,
+        help="only these tiles: BM,BN,BK,GROUP,WARPS,STAGES[,LOADED_BM (0: none)]",
     )
     args = parser.parse_args()
     names = args.shapes.split(",")
@@ -218,10 +253,7 @@ def main() -> None:
         want = None
         tiles = grid(shape, args.tokens)
         if args.tiles:
-            tiles = [
-                default._replace(**dict(zip(TILE_FIELDS, map(int, t.split(",")), strict=True)))
-                for t in args.tiles
-            ]
+            tiles = [parse_tile(default, t) for t in args.tiles]
         for cfg in dict.fromkeys([default, *tiles]):
             try:
                 fn = runner(shape, built, cfg)
