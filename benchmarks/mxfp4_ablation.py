@@ -114,6 +114,13 @@ def tile_major_tile(
     return words, scales
 
 
+def best_us(fn) -> float:
+    """The best of three graph-replay timings of ``fn`` (``moe_tiles.time_graph``), in µs."""
+    import moe_tiles
+
+    return min(moe_tiles.time_graph(fn) for _ in range(3)) * 1e3
+
+
 def time_variant(name: str, balanced: bool) -> float:
     """In this process: install the variant, time the layer's experts (us)."""
     import moe_tiles
@@ -134,8 +141,7 @@ def time_variant(name: str, balanced: bool) -> float:
         picks = torch.arange(shape.top_k, device=ids.device)[None, :]
         ids = ((token * shape.top_k + picks) % shape.experts).to(ids.dtype)
         built = (experts, x, weights, ids, nbytes)
-    fn = moe_tiles.runner(shape, built, tm.FRAGMENT_DECODE)
-    return min(moe_tiles.time_graph(fn) for _ in range(3)) * 1e3
+    return best_us(moe_tiles.runner(shape, built, tm.FRAGMENT_DECODE))
 
 
 def block_kinds() -> None:
@@ -168,16 +174,13 @@ def block_kinds() -> None:
             rows, experts.w13, experts.w2, ones, kind_ids, cfg, shape.activation, extras=extras
         )
 
-    def us(fn) -> float:
-        return min(moe_tiles.time_graph(fn) for _ in range(3)) * 1e3
-
     kinds = {"all pairs": torch.ones_like(one_block), "one-block experts": one_block}
     kinds["two-block experts"] = ~one_block
     for kind, mask in kinds.items():
         for label, cfg in tiles.items():
             if kind == "one-block experts" and cfg is not tm.FRAGMENT_DECODE:
                 continue
-            print(f"{kind:18s} {label:25s} {us(call(mask, cfg)):7.1f} us", flush=True)
+            print(f"{kind:18s} {label:25s} {best_us(call(mask, cfg)):7.1f} us", flush=True)
     side = torch.cuda.Stream()
     for label, cfg in tiles.items():
         if cfg.block_n != 128:
@@ -192,7 +195,9 @@ def block_kinds() -> None:
                 loaded()
             main.wait_stream(side)
 
-        print(f"side by side: one-block experts 32-token, two-block {label}: {us(both):7.1f} us")
+        print(
+            f"side by side: one-block experts 32-token, two-block {label}: {best_us(both):7.1f} us"
+        )
 
 
 def main() -> None:

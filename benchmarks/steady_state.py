@@ -137,15 +137,21 @@ def attention() -> None:
             )
 
 
+def _projection_chain(name: str, k: int, n: int) -> tuple[list, list[str]]:
+    """24 calls of ``F.linear(x, w)`` at M=256 rotating through weights that pass the L2, and
+    the table row's head (the shape and its bytes' time)."""
+    copies = int(200e6 // (k * n * 2)) + 2
+    weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(projection_gemms.TOKENS, k, device="cuda").to(torch.bfloat16)
+    calls = [partial(F.linear, x, weights[i % copies]) for i in range(24)]
+    return calls, [f"{name:12s} bytes {k * n * 2 / projection_gemms.HBM_BYTES_S * 1e6:5.1f} us"]
+
+
 def gemms() -> None:
     for name, (k, n) in projection_gemms.SHAPES.items():
-        copies = int(200e6 // (k * n * 2)) + 2
-        weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-        x = torch.randn(projection_gemms.TOKENS, k, device="cuda").to(torch.bfloat16)
-        row = [f"{name:12s} bytes {k * n * 2 / projection_gemms.HBM_BYTES_S * 1e6:5.1f} us"]
+        calls, row = _projection_chain(name, k, n)
         for library in ("default", "cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(library)
-            calls = [partial(F.linear, x, weights[i % copies]) for i in range(24)]
             row.append(f"{library} {graph_replay.chained_us(calls):5.1f}")
         torch.backends.cuda.preferred_blas_library("default")
         print("  ".join(row), flush=True)
@@ -170,15 +176,11 @@ def _split_k(x: torch.Tensor, w: torch.Tensor, shares: int) -> torch.Tensor:
 
 def splitk() -> None:
     for name, (k, n) in SPLIT_K_SHAPES.items():
-        copies = int(200e6 // (k * n * 2)) + 2
-        weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-        x = torch.randn(projection_gemms.TOKENS, k, device="cuda").to(torch.bfloat16)
-        row = [f"{name:12s} bytes {k * n * 2 / projection_gemms.HBM_BYTES_S * 1e6:5.1f} us"]
-        calls = [partial(F.linear, x, weights[i % copies]) for i in range(24)]
+        calls, row = _projection_chain(name, k, n)
         row.append(f"F.linear {graph_replay.chained_us(calls):5.1f}")
         for shares in (2, 4):
-            calls = [partial(_split_k, x, weights[i % copies], shares) for i in range(24)]
-            row.append(f"{shares} shares of K {graph_replay.chained_us(calls):5.1f}")
+            split = [partial(_split_k, *call.args, shares) for call in calls]
+            row.append(f"{shares} shares of K {graph_replay.chained_us(split):5.1f}")
         print("  ".join(row), flush=True)
 
 
