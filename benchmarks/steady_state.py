@@ -30,6 +30,16 @@ gate/up, down), chained on one stream, with each layer's row blocks in two or
 three parts side by side (``kernels/side_streams.py``), and whole layers in
 pairs on two streams: what the extra streams win is the time a layer's
 kernels lose where one drains and the next fills.
+``regs``: decode attention (Qwen3-30B-A3B and OLMoE-1B-7B at batch 256, contexts 320
+and 1,024) on 64- and 32-key tiles with register caps, for more programs a multiprocessor
+(Qwen3's 1,024 programs fill about two waves at four).
+``warm``: whether L2 keeps what a kernel read for the kernel after it (a buffer of
+8-40 MB read cold, then read again after a warming read), and whether warming the
+first experts' gate/up weights during a layer's small kernels, when HBM idles,
+shortens the experts' GEMMs after them: each layer a 160 MB read (standing in
+for attention's KV), a one-program spin (the small kernels), then the experts,
+with and without a warming read of the first 16-48 MB of ``w13`` forked beside
+the spin.
 
 Times are µs a call from ``graph_replay.chained_us``: each chain rotates its
 inputs through more bytes than the L2 holds, so every call reads from HBM as
@@ -47,6 +57,8 @@ import moe_tiles
 import projection_gemms
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from kernels import bench, graphed  # benchmarks/kernels.py
 
 from moetrace.kernels import triton_align, triton_attention, triton_moe
@@ -114,6 +126,20 @@ def splits() -> None:
     cases = [(name, ctx) for name in attention_tiles.SHAPES for ctx in (320, 1024)]
     variants = {f"{n} split{'s' if n > 1 else ' '}": lambda *_, n=n: n for n in (1, 2, 4)}
     _attention_variants("splits", cases, "_num_splits", variants)
+
+
+def regs() -> None:
+    cases = [(name, ctx) for name in ("qwen3", "olmoe") for ctx in (320, 1024)]
+    default = triton_attention._tile_configs
+    tiles = [(64, None), (64, 96), (64, 80), (32, None), (32, 80), (32, 64)]
+    variants = {
+        f"N{n} r{reg or '-'}": lambda group, *_, n=n, reg=reg: (
+            triton_attention.TileConfig(16, n, 4, 2, reg),
+            default(group)[1],
+        )
+        for n, reg in tiles
+    }
+    _attention_variants("regs", cases, "_tile_configs", variants)
 
 
 def sinks() -> None:
@@ -250,12 +276,114 @@ def streams() -> None:
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n_words, CHUNK: tl.constexpr, KEEP: tl.constexpr):
+    """Every program reads its share of ``src`` (int32 words) in ``CHUNK``-word steps; the
+    xor of what it read goes to ``out`` so that no load is dropped.  ``KEEP``: the
+    loads ask L2 to keep their lines (``evict_last``)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * CHUNK
+    acc = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in range(pid * CHUNK, n_words, step):
+        offs = start + tl.arange(0, CHUNK)
+        if KEEP:
+            acc ^= tl.load(
+                src_ptr + offs, mask=offs < n_words, other=0, eviction_policy="evict_last"
+            )
+        else:
+            acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+@triton.jit
+def _spin_kernel(out_ptr, iterations):
+    """One program's dependent chain of multiplies: a stand-in for a layer's small kernels
+    that leaves the other multiprocessors, and HBM, free."""
+    x = tl.load(out_ptr).to(tl.float32) + 1.0
+    for _ in range(iterations):
+        x = x * 0.9999999 + 1e-7
+    tl.store(out_ptr, x.to(tl.int32))
+
+
+def _read(buf: torch.Tensor, out: torch.Tensor, programs: int, keep: bool = False) -> None:
+    words = buf.view(torch.int32).view(-1)
+    _read_kernel[(programs,)](words, out, words.numel(), CHUNK=4096, KEEP=keep, num_warps=8)
+
+
+def warm() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(4 * sms, dtype=torch.int32, device="cuda")
+    flush = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
+    for mb in (8, 16, 24, 32, 40, 48):
+        buf = torch.empty(mb << 20, dtype=torch.uint8, device="cuda")
+        cold = graph_replay.chained_us(
+            [partial(_read, flush, out, sms), partial(_read, buf, out, sms)] * 4
+        )
+        flushed = graph_replay.chained_us([partial(_read, flush, out, sms)] * 8)
+        times = {}
+        for keep in (False, True):
+            calls = [partial(_read, flush, out, sms), partial(_read, buf, out, 32, keep),
+                     partial(_read, buf, out, sms)]  # fmt: skip
+            warmed = graph_replay.chained_us(calls * 4) * 3
+            alone = graph_replay.chained_us(calls[:2] * 4) * 2
+            times[keep] = warmed - alone
+        read_cold = 2 * cold - flushed
+        print(
+            f"warm L2 {mb:2d} MB: read cold {read_cold:6.1f} us (HBM {mb / 4.29e6 * (1 << 20):5.1f})"
+            f"  after a warming read {times[False]:6.1f}  after one kept (evict_last) {times[True]:6.1f}",
+            flush=True,
+        )
+    spin = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for name in ("qwen3", "olmoe"):
+        shape = moe_tiles.SHAPES[name]
+        layers = [moe_tiles.build(shape, 256, seed=seed) for seed in range(4)]
+        steps = partial(_warm_steps, layers, _experts_calls(shape, layers), flush, out, spin)
+        spin_us = graph_replay.chained_us([partial(_spin_kernel[(1,)], spin, 12_000)] * 8)
+        base = graph_replay.chained_us(steps(0, 0, False, with_experts=False))
+        row = [f"spin {spin_us:5.1f}, read+spin {base:6.1f}"]
+        for warm_mb, programs, keep in [(0, 0, False), (16, 32, True), (32, 32, True), (48, 32, True),
+                                        (32, 16, True), (32, 64, True), (32, 32, False)]:  # fmt: skip
+            t = graph_replay.chained_us(steps(warm_mb, programs, keep))
+            row.append(f"warm {warm_mb} MB/{programs}p{'/keep' if keep else ''} {t - base:6.1f}")
+        print(f"warm {name:6s} experts a layer (us): " + "  ".join(row), flush=True)
+        del layers, steps
+        torch.cuda.empty_cache()
+
+
+def _warm_steps(
+    layers, experts_calls, flush, out, spin, warm_mb, programs, keep, with_experts=True
+):
+    """A layer's stand-in calls each: the 160 MB read, the spin with (``warm_mb``) a read of
+    the first ``w13`` bytes on ``programs`` programs forked beside it, then the experts."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    side = torch.cuda.Stream()
+    calls = []
+    for (experts, *_), experts_call in zip(layers, experts_calls, strict=True):
+        w13 = experts.w13.view(-1).view(torch.uint8)[: warm_mb << 20]
+
+        def step(w13=w13, experts_call=experts_call) -> None:
+            _read(flush, out, sms)
+            if warm_mb:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    _read(w13, out[sms:], programs, keep)
+            _spin_kernel[(1,)](spin, 12_000)
+            if warm_mb:
+                torch.cuda.current_stream().wait_stream(side)
+            if with_experts:
+                experts_call()
+
+        calls.append(step)
+    return calls
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/steady_state.py needs CUDA")
     sections = {
         "align": align, "attention": attention, "splits": splits, "sinks": sinks,
-        "gemms": gemms, "splitk": splitk, "streams": streams,
+        "gemms": gemms, "splitk": splitk, "streams": streams, "warm": warm,
+        "regs": regs,
     }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:
