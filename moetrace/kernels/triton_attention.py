@@ -789,9 +789,12 @@ class TileConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # a register cap, for more resident programs (None: ptxas's)
 
 
-def _tile_configs(group: int) -> tuple[TileConfig, TileConfig]:
+def _tile_configs(
+    group: int, head_dim: int = 128, sinks: bool = False
+) -> tuple[TileConfig, TileConfig]:
     """(decode, prefill) tiles.
 
     Decode: the fewest rows a tensor-core dot takes (16) or one query's group
@@ -799,8 +802,15 @@ def _tile_configs(group: int) -> tuple[TileConfig, TileConfig]:
     at B=256 x 384 tokens, N64 w4 s2 within 3% of the best and of dense SDPA
     (N32 up to 7% slower); prefill M64 N64 w4 s2 best for 16 x 512 new tokens
     and for 4 x 1024 after 3072 cached (M128 variants 4-28% slower).
+
+    Groups of 8 or more heads of 128 (Qwen3-30B-A3B's 32 over 4) decode on 32-key
+    tiles capped at 64 registers: eight programs a multiprocessor where 105 registers
+    fit four, so batch 256's 1,024 programs run in one wave, not two (chained at
+    context 320: 46.2 us against 47.8; ``python benchmarks/steady_state.py regs``).
     """
     decode = TileConfig(max(16, triton.next_power_of_2(group)), 64, 4, 2)
+    if group >= 8 and head_dim == 128 and not sinks:
+        decode = decode._replace(block_n=32, maxnreg=64)
     prefill = TileConfig(max(64, triton.next_power_of_2(group)), 64, 4, 2)
     return decode, prefill
 
@@ -921,6 +931,7 @@ def _launch_class(
         SCORES_POOL=pool,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     if splits > 1:
         _combine_kernel[(num_seqs, num_heads)](
@@ -1009,7 +1020,7 @@ def paged_attention(
         return out
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks of shape {tuple(sinks.shape)}, want ({num_heads},)")
-    decode_cfg, prefill_cfg = _tile_configs(num_heads // num_kv_heads)
+    decode_cfg, prefill_cfg = _tile_configs(num_heads // num_kv_heads, head_dim, sinks is not None)
     splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, q.device)
     longest = decode_max_q(decode_cfg.block_m, num_heads // num_kv_heads, splits)
     # Each class is launched only if the step may hold such a sequence; skipping
