@@ -664,16 +664,17 @@ def moe_config(
     decoder's best, 582 us; 251 us with chunk-major words, where 4 stages,
     K steps of 256 and 64-token blocks stay as fast or slower); 128 x 128 x
     128, 4 warps at T=8192, 4.62 ms (1.25x ``tl.dot_scaled``'s best, 5.76 ms).
-    From 16 rows an expert, routings the fused kernel groups give the experts
+    From 32 rows an expert, routings the fused kernel groups give the experts
     of more than 32 pairs 64-row blocks and GEMMs of their own beside the
-    others' (``FRAGMENT_DECODE_LOADED``; one layer at T=256, the two kinds side
-    by side: 229.6 us against 244.3 in one kind).
+    others', 4 stages (``FRAGMENT_DECODE_LOADED``; one layer at T=256, the two
+    kinds side by side: 229.6 us against 244.3 in one kind; at T=128-192 one
+    kind is faster).
     """
     rows_per_expert = num_tokens * top_k / num_experts
     if mxfp4 and layout == "fragment":
         if rows_per_expert > 160:
             return FRAGMENT_PREFILL
-        return FRAGMENT_DECODE_LOADED if rows_per_expert >= 16 else FRAGMENT_DECODE
+        return FRAGMENT_DECODE_LOADED if rows_per_expert >= 32 else FRAGMENT_DECODE
     if mxfp4:
         if rows_per_expert <= 160:
             return MoEConfig(64, 128, 64, 8, 4, 4, mxfp4_native=False)
@@ -687,9 +688,12 @@ def moe_config(
 
 # Fragment-layout MXFP4 tiles (``moe_config``): decode steps (up to 160 rows an expert), prefill.
 FRAGMENT_DECODE = MoEConfig(32, 128, 128, 8, 4, 3, mxfp4_native=False)
-# From 16 rows an expert on (gpt-oss at 128 tokens and more) many experts pass 32 pairs:
-# those take 64-row blocks of their own, each weight decoded once, beside the others.
-FRAGMENT_DECODE_LOADED = FRAGMENT_DECODE._replace(loaded_block_m=64)
+# From 32 rows an expert on (gpt-oss-20b at 256 tokens) many experts pass 32 pairs: those
+# take 64-row blocks of their own, each weight decoded once, beside the others, both kinds
+# with 4 stages.  Below that too few experts pass 32 for their GEMM to keep pace beside
+# the rest's: one layer's experts at T=192, 204 us in one kind against 218 in two
+# (``benchmarks/moe_tiles.py``, docs/benchmarks.md).
+FRAGMENT_DECODE_LOADED = FRAGMENT_DECODE._replace(num_stages=4, loaded_block_m=64)
 FRAGMENT_PREFILL = MoEConfig(128, 128, 128, 8, 4, 3, mxfp4_native=False)
 
 
