@@ -127,7 +127,7 @@ def sweep(name: str, batch: int, ctx: int, hbm_gbs: float, top: int) -> None:
         sinks=sinks, out=out,
     ))  # fmt: skip
     group = shape.heads // shape.kv_heads
-    decode_cfg, prefill_cfg = ta._tile_configs(group)
+    decode_cfg, prefill_cfg = ta._tile_configs(group, shape.dim, shape.sinks)
     splits = ta._num_splits(batch, shape.kv_heads, q.device)
     timed("prefill class alone (no work)", partial(
         ta._launch_class, q, kc, vc, both_meta, scale, shape.window, out, prefill_cfg,

@@ -133,9 +133,9 @@ def regs() -> None:
     default = triton_attention._tile_configs
     tiles = [(64, None), (64, 96), (64, 80), (32, None), (32, 80), (32, 64)]
     variants = {
-        f"N{n} r{reg or '-'}": lambda group, *_, n=n, reg=reg: (
+        f"N{n} r{reg or '-'}": lambda *shape, n=n, reg=reg: (
             triton_attention.TileConfig(16, n, 4, 2, reg),
-            default(group)[1],
+            default(*shape)[1],
         )
         for n, reg in tiles
     }

@@ -792,9 +792,7 @@ class TileConfig(NamedTuple):
     maxnreg: int | None = None  # a register cap, for more resident programs (None: ptxas's)
 
 
-def _tile_configs(
-    group: int, head_dim: int = 128, sinks: bool = False
-) -> tuple[TileConfig, TileConfig]:
+def _tile_configs(group: int, head_dim: int, sinks: bool) -> tuple[TileConfig, TileConfig]:
     """(decode, prefill) tiles.
 
     Decode: the fewest rows a tensor-core dot takes (16) or one query's group
