@@ -278,9 +278,9 @@ def streams() -> None:
 
 @triton.jit
 def _read_kernel(src_ptr, out_ptr, n_words, CHUNK: tl.constexpr, KEEP: tl.constexpr):
-    """Every program reads its share of ``src`` (int32 words) in ``CHUNK``-word steps; the
-    xor of what it read goes to ``out`` so that no load is dropped.  ``KEEP``: the
-    loads ask L2 to keep their lines (``evict_last``)."""
+    """Every program reads its share of ``src`` (int32 words) in ``CHUNK``-word steps and
+    stores what it read, folded by xor and summed, so that no load is dropped.  ``KEEP``:
+    the loads ask L2 to keep their lines (``evict_last``)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * CHUNK
     acc = tl.zeros([CHUNK], dtype=tl.int32)
