@@ -270,6 +270,25 @@ def test_fp32_cache() -> None:
     _check_attention(q_lens, seq_lens, 2, 2, 64, 16, torch.float32, seed=3)
 
 
+def test_decode_on_the_full_batch_tile() -> None:
+    """Qwen3's shape (4 KV heads, groups of 8, heads of 128) on the tile its batches of one
+    key split take (32 keys, a register cap): the reference result.  The other tests'
+    batches are small enough for two splits, which keep the swept tile."""
+    cfg = triton_attention._tile_configs(8, 128, False, 1)[0]
+    assert cfg.maxnreg is not None  # the capped tile, not the one the other tests cover
+    gen = torch.Generator().manual_seed(13)
+    seq_lens = DECODE_CTX
+    batch = PagedBatch([1] * len(seq_lens), seq_lens, 4, 8, 128, 16, BF16, gen)
+    store_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    out = torch.full_like(batch.q, float("nan"))
+    triton_attention._launch_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, 128**-0.5, None, out,
+        cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, 1, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
+    err = rel_err(out.cpu(), batch.reference(128**-0.5, None))
+    assert err < TOL[BF16], f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("window", [None, 50])
 def test_decode_split_k(window: int | None) -> None:
     """Every split-K factor gives the reference result, including splits with no keys."""

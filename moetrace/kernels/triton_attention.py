@@ -792,7 +792,9 @@ class TileConfig(NamedTuple):
     maxnreg: int | None = None  # a register cap, for more resident programs (None: ptxas's)
 
 
-def _tile_configs(group: int, head_dim: int, sinks: bool) -> tuple[TileConfig, TileConfig]:
+def _tile_configs(
+    group: int, head_dim: int, sinks: bool, num_splits: int
+) -> tuple[TileConfig, TileConfig]:
     """(decode, prefill) tiles.
 
     Decode: the fewest rows a tensor-core dot takes (16) or one query's group
@@ -805,9 +807,12 @@ def _tile_configs(group: int, head_dim: int, sinks: bool) -> tuple[TileConfig, T
     tiles capped at 64 registers: eight programs a multiprocessor where 105 registers
     fit four, so batch 256's 1,024 programs run in one wave, not two (chained at
     context 320: 46.2 us against 47.8; ``python benchmarks/steady_state.py regs``).
+    Only batches whose programs pass one wave of the uncapped tile (one key split,
+    ``_num_splits``) take it: smaller ones, measured on neither, keep the tile that was
+    swept for them.
     """
     decode = TileConfig(max(16, triton.next_power_of_2(group)), 64, 4, 2)
-    if group >= 8 and head_dim == 128 and not sinks:
+    if num_splits == 1 and group >= 8 and head_dim == 128 and not sinks:
         decode = decode._replace(block_n=32, maxnreg=64)
     prefill = TileConfig(max(64, triton.next_power_of_2(group)), 64, 4, 2)
     return decode, prefill
@@ -962,9 +967,10 @@ def _launch_attention(
     num_stages: int,
     num_splits: int = 1,
     sinks: torch.Tensor | None = None,
+    maxnreg: int | None = None,
 ) -> None:
     """Both classes with one explicit tile config (benchmarks sweep these; tests pin them)."""
-    cfg = TileConfig(block_m, block_n, num_warps, num_stages)
+    cfg = TileConfig(block_m, block_n, num_warps, num_stages, maxnreg)
     group = q.shape[1] // k_cache.shape[2]
     longest = decode_max_q(block_m, group, num_splits)
     for decode in (True, False):
@@ -1018,8 +1024,10 @@ def paged_attention(
         return out
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks of shape {tuple(sinks.shape)}, want ({num_heads},)")
-    decode_cfg, prefill_cfg = _tile_configs(num_heads // num_kv_heads, head_dim, sinks is not None)
     splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, q.device)
+    decode_cfg, prefill_cfg = _tile_configs(
+        num_heads // num_kv_heads, head_dim, sinks is not None, splits
+    )
     longest = decode_max_q(decode_cfg.block_m, num_heads // num_kv_heads, splits)
     # Each class is launched only if the step may hold such a sequence; skipping
     # a class whose programs would all return changes nothing in the output.
