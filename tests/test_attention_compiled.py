@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
 import pytest
 
@@ -21,18 +20,14 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the H200: the interpreter stands in for jit", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from h200_compile_helpers import compile_h200, ptxas_notes, sixteen_bit_kind  # noqa: E402
 
 from moetrace.kernels import triton_attention  # noqa: E402
 
-H200 = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 SHARED_RESERVED_PER_PROGRAM = 1024  # what the driver keeps back for each resident block
 SPILL_BYTES_ALLOWED = 64  # a few values to L1-cached local memory: measured as no loss
-INT32_POINTERS = {"query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "bt_stride_ptr"}
-FLOAT32_POINTERS = {"part_acc_ptr", "part_ml_ptr"}
 # Sizes Triton specialises as multiples of 16 in a batch-256 launch: the pointers and
 # the strides (Qwen3's heads of 128, KV blocks of 16).
 ALIGNED_SCALARS = {"num_heads", "num_seqs"}
@@ -51,49 +46,21 @@ def compile_decode(group: int, head_dim: int, cfg=None, block_size: int = 16):
         "DOT_PRECISION": "tf32", "HAS_SINKS": False, "PRECISE_EXP": True, "HEADS_FAST": True,
         "ONE_TILE": 0, "SCORES_POOL": False,
     }  # fmt: skip
-    names = fn.arg_names
-
-    def kind(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name in INT32_POINTERS:
-            return "*i32"
-        if name in FLOAT32_POINTERS:
-            return "*fp32"
-        if name == "pool_ends_ptr":
-            return "*i64"
-        if name.endswith("_ptr"):
-            return "*bf16"
-        return "fp32" if name == "score_scale" else "i32"
-
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
+    aligned = [
+        n
+        for n in fn.arg_names
         if n not in constants
         and (n.endswith("_ptr") or n.startswith("stride") or n in ALIGNED_SCALARS)
-    }
-    source = ASTSource(fn, {n: kind(n) for n in names}, constants, aligned)
+    ]
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg is not None:
         options["maxnreg"] = cfg.maxnreg
-    return cfg, triton.compile(source, target=H200, options=options)
+    return cfg, compile_h200(fn, sixteen_bit_kind, constants, aligned, **options)
 
 
 def ptxas_usage(compiled) -> tuple[int, int]:
     """(registers a thread, spill-store bytes) that ptxas reports for the kernel's PTX."""
-    path = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(path):
-        pytest.skip("this Triton has no ptxas")
-    base = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetrace-attn-{os.getpid()}")
-    with open(base + ".ptx", "w") as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        args = [path, "--gpu-name", "sm_90a", "-v", base + ".ptx", "-o", base + ".o"]
-        notes = subprocess.run(args, capture_output=True, text=True, check=True).stderr
-    finally:
-        for ext in (".ptx", ".o"):
-            if os.path.exists(base + ext):
-                os.unlink(base + ext)
+    notes = ptxas_notes(compiled)
     registers = int(re.search(r"Used (\d+) registers", notes).group(1))
     spills = re.search(r"(\d+) bytes spill stores", notes)
     return registers, int(spills.group(1)) if spills else 0

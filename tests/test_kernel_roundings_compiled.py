@@ -17,42 +17,14 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the H200: the interpreter stands in for jit", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from h200_compile_helpers import FLOAT32_SCALARS, compile_h200, sixteen_bit_kind  # noqa: E402
 
 from moetrace.kernels import triton_attention, triton_norm  # noqa: E402
 
-H200 = GPUTarget("cuda", 90, 32)
-SCALARS = {"eps": "fp32", "inv_dim": "fp32", "score_scale": "fp32"}
-FLOAT32_POINTERS = {"part_acc_ptr", "part_ml_ptr"}
-INT_POINTERS = {"query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "bt_stride_ptr"}
-INT64_POINTERS = {"pool_ends_ptr"}
-
 
 def ptx(fn, constants: dict, **options) -> str:
-    """PTX of ``fn`` for the H200: 16-bit tensors, int32 scalars unless named in SCALARS."""
-    names = fn.arg_names
-
-    def kind(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name in FLOAT32_POINTERS:
-            return "*fp32"
-        if name in INT_POINTERS:
-            return "*i32"
-        if name in INT64_POINTERS:
-            return "*i64"
-        if name.endswith("_ptr"):
-            return "*bf16"
-        return SCALARS.get(name, "i32")
-
-    source = ASTSource(
-        fn,
-        {n: kind(n) for n in names},
-        {(names.index(k),): v for k, v in constants.items()},
-        {},
-    )
-    return triton.compile(source, target=H200, options=options).asm["ptx"]
+    """PTX of ``fn`` for the H200: 16-bit tensors, int32 scalars unless float32 by name."""
+    return compile_h200(fn, sixteen_bit_kind, constants, **options).asm["ptx"]
 
 
 @pytest.mark.parametrize("weight_in_float32", [False, True])
@@ -84,20 +56,13 @@ def test_sink_attention_divides_as_ieee(one_tile, scores_pool):
 def _ttgir_and_ptx(fn, pointers: dict, constants: dict, num_warps: int) -> tuple[str, str]:
     """As a launch specialises them: pointers and every int multiple of 16 (as the strides
     and widths of these cases are); no FMA contraction, as the norm kernels launch."""
-    names = fn.arg_names
-    sig = {
-        n: "constexpr" if n in constants else pointers.get(n, SCALARS.get(n, "i32")) for n in names
-    }
-    sig.update({n: "fp32" for n in ("q_eps", "k_eps") if n in sig})
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
-        if sig[n] not in ("constexpr", "fp32")
-    }
-    source = ASTSource(fn, sig, {(names.index(k),): v for k, v in constants.items()}, attrs)
-    out = triton.compile(
-        source, target=H200, options={"num_warps": num_warps, "enable_fp_fusion": False}
-    )
+    float32 = FLOAT32_SCALARS | {"q_eps", "k_eps"}
+
+    def kind(name: str) -> str:
+        return pointers.get(name, "fp32" if name in float32 else "i32")
+
+    aligned = [n for n in fn.arg_names if n not in constants and kind(n) != "fp32"]
+    out = compile_h200(fn, kind, constants, aligned, num_warps=num_warps, enable_fp_fusion=False)
     return out.asm["ttgir"], out.asm["ptx"]
 
 

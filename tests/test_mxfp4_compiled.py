@@ -20,12 +20,10 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the H200: the interpreter stands in for jit", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from h200_compile_helpers import compile_h200, ptxas_notes, tool  # noqa: E402
 
 from moetrace.kernels import triton_moe  # noqa: E402
 
-H200 = GPUTarget("cuda", 90, 32)
 INT_POINTERS = {
     "sorted_pair_ids_ptr",
     "block_expert_ids_ptr",
@@ -36,31 +34,27 @@ INT_POINTERS = {
 UNALIGNED = {"num_pairs", "num_m_blocks"}  # not specialised (do_not_specialize)
 
 
-def compile_h200(fn, constants: dict, **options):
+def _gpt_oss_kind(name: str) -> str:
+    if name in INT_POINTERS:
+        return "*i32"
+    if name in ("w_ptr", "s_ptr"):
+        return "*u8"
+    if name == "topk_weights_ptr":
+        return "*fp32"
+    if name.endswith("_ptr"):
+        return "*bf16"
+    return "fp32" if name.startswith("swiglu") else "i32"
+
+
+def compile_gpt_oss(fn, constants: dict, **options):
     """``fn`` for the H200 with gpt-oss's arguments: bf16 activations, MXFP4 bytes, float32
     routing weights; integers divisible by 16 as gpt-oss-20b's sizes and strides are."""
-    names = fn.arg_names
-
-    def kind(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name in INT_POINTERS:
-            return "*i32"
-        if name in ("w_ptr", "s_ptr"):
-            return "*u8"
-        if name == "topk_weights_ptr":
-            return "*fp32"
-        if name.endswith("_ptr"):
-            return "*bf16"
-        return "fp32" if name.startswith("swiglu") else "i32"
-
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
+    aligned = [
+        n
+        for n in fn.arg_names
         if n not in constants and n not in UNALIGNED and not n.startswith("swiglu")
-    }
-    source = ASTSource(fn, {n: kind(n) for n in names}, constants, aligned)
-    return triton.compile(source, target=H200, options=options)
+    ]
+    return compile_h200(fn, _gpt_oss_kind, constants, aligned, **options)
 
 
 TILE = dict(
@@ -74,13 +68,6 @@ KERNELS = {
     ),
     "down": (triton_moe._down_fragment_kernel, dict(HAS_BIAS=True, BLOCK_N=128, **TILE)),
 }
-
-
-def tool(name: str) -> str:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(path):
-        pytest.skip(f"this Triton has no {name}")
-    return path
 
 
 def main_loop(ttgir: str) -> str:
@@ -113,7 +100,7 @@ def sass_loop(compiled) -> list[str]:
 @pytest.fixture(scope="module", params=list(KERNELS))
 def compiled(request):
     fn, constants = KERNELS[request.param]
-    return compile_h200(fn, constants, num_warps=4, num_stages=4)
+    return compile_gpt_oss(fn, constants, num_warps=4, num_stages=4)
 
 
 def test_decoded_weights_feed_the_product_from_registers(compiled):
@@ -148,20 +135,6 @@ def test_the_fast_decoder_is_the_ptx_block(compiled):
     assert ptx.count("and.b32") >= 4
 
 
-def ptxas_notes(compiled) -> str:
-    """What ptxas says (``-v``) compiling the kernel's PTX for the H200."""
-    base = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetrace-{os.getpid()}")
-    with open(base + ".ptx", "w") as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        args = [tool("ptxas"), "--gpu-name", "sm_90a", "-v", base + ".ptx", "-o", base + ".o"]
-        return subprocess.run(args, capture_output=True, text=True, check=True).stderr
-    finally:
-        for ext in (".ptx", ".o"):
-            if os.path.exists(base + ext):
-                os.unlink(base + ext)
-
-
 @pytest.mark.parametrize("name", list(KERNELS))
 @pytest.mark.parametrize("block_m", [32, 64])  # the decode tile's token block, and the test's
 @pytest.mark.parametrize("pair_table", [False, True])  # sorted pairs, or the routing's table
@@ -170,7 +143,7 @@ def test_products_stay_in_flight_while_the_next_words_decode(name, block_m, pair
     would then wait for the last to finish, and no decoding would overlap the tensor cores."""
     fn, constants = KERNELS[name]
     constants = {**constants, "BLOCK_M": block_m, "PAIR_TABLE": pair_table}
-    compiled = compile_h200(fn, constants, num_warps=4, num_stages=3)
+    compiled = compile_gpt_oss(fn, constants, num_warps=4, num_stages=3)
     assert "C7515" not in ptxas_notes(compiled)
     ops = sass_loop(compiled)
     products = sum(o.startswith("HGMMA") for o in ops)
