@@ -62,6 +62,7 @@ import triton.language as tl
 from kernels import bench, graphed  # benchmarks/kernels.py
 
 from moetrace.kernels import triton_align, triton_attention, triton_moe
+from moetrace.kernels.side_streams import run_beside
 
 
 def align() -> None:
@@ -356,20 +357,16 @@ def _warm_steps(
     """A layer's stand-in calls each: the 160 MB read, the spin with (``warm_mb``) a read of
     the first ``w13`` bytes on ``programs`` programs forked beside it, then the experts."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    side = torch.cuda.Stream()
     calls = []
     for (experts, *_), experts_call in zip(layers, experts_calls, strict=True):
         w13 = experts.w13.view(-1).view(torch.uint8)[: warm_mb << 20]
+        beside_spin = [partial(_spin_kernel[(1,)], spin, 12_000)]
+        if warm_mb:
+            beside_spin.append(partial(_read, w13, out[sms:], programs, keep))
 
-        def step(w13=w13, experts_call=experts_call) -> None:
+        def step(beside_spin=beside_spin, experts_call=experts_call) -> None:
             _read(flush, out, sms)
-            if warm_mb:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    _read(w13, out[sms:], programs, keep)
-            _spin_kernel[(1,)](spin, 12_000)
-            if warm_mb:
-                torch.cuda.current_stream().wait_stream(side)
+            run_beside(beside_spin, flush.device)
             if with_experts:
                 experts_call()
 
