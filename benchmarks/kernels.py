@@ -209,7 +209,7 @@ def attention(name: str, heads: int, kv_heads: int, dim: int) -> None:
     for b in (batch, 32, 8):
         q2, kc2, vc2, meta2 = paged_batch([1] * b, [long_ctx] * b, heads, kv_heads, dim)
         nbytes = 2 * b * long_ctx * kv_heads * dim * 2
-        auto = ta._num_splits(b, kv_heads, 1, q2.device)
+        auto = ta._num_splits(b, kv_heads, q2.device)
         what = f"decode attn {name} B{b} ctx{long_ctx}"
         out2 = torch.empty_like(q2)
         try_bench(
