@@ -128,7 +128,9 @@ def sweep(name: str, batch: int, ctx: int, hbm_gbs: float, top: int) -> None:
     ))  # fmt: skip
     group = shape.heads // shape.kv_heads
     splits = ta._num_splits(batch, shape.kv_heads, q.device)
-    decode_cfg, prefill_cfg = ta._tile_configs(group, shape.dim, shape.sinks, splits)
+    decode_cfg, prefill_cfg = ta._tile_configs(
+        group, shape.dim, shape.sinks, batch * shape.kv_heads * splits, ta._num_sms(q.device)
+    )
     timed("prefill class alone (no work)", partial(
         ta._launch_class, q, kc, vc, both_meta, scale, shape.window, out, prefill_cfg,
         decode=False, decode_max_q=ta.decode_max_q(decode_cfg.block_m, group, splits),

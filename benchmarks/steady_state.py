@@ -1,6 +1,7 @@
 """Decode-step kernels timed in steady state: many calls chained in one CUDA graph.
 
     python benchmarks/steady_state.py [align] [attention] [splits] [sinks] [gemms] [splitk] [streams]
+        [regs] [regs-batches] [warm]
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
@@ -33,6 +34,8 @@ kernels lose where one drains and the next fills.
 ``regs``: decode attention (Qwen3-30B-A3B and OLMoE-1B-7B at batch 256, contexts 320
 and 1,024) on 64- and 32-key tiles with register caps, for more programs a multiprocessor
 (Qwen3's 1,024 programs fill about two waves at four).
+``regs-batches``: Qwen3-30B-A3B's decode attention at batches 32-192 and contexts 320
+to 4,096, the tile ``_tile_configs`` picks against the capped 32-key tile at any split.
 ``warm``: whether L2 keeps what a kernel read for the kernel after it (a buffer of
 8-40 MB read cold, then read again after a warming read), and whether warming the
 first experts' gate/up weights during a layer's small kernels, when HBM idles,
@@ -86,12 +89,12 @@ def align() -> None:
             print(f"align {name:17s} T={tokens:<5d} " + "  ".join(row), flush=True)
 
 
-def _attention_calls(shape, ctx: int) -> tuple[list, float]:
-    """Decode attention calls at batch 256 and context ``ctx`` whose KV together pass the
-    L2, and the µs one call's KV takes at the HBM bound."""
-    kv_bytes = 2 * 256 * min(ctx, shape.window or ctx) * shape.kv_heads * shape.dim * 2
+def _attention_calls(shape, ctx: int, batch: int = 256) -> tuple[list, float]:
+    """Decode attention calls at ``batch`` sequences of context ``ctx`` whose KV together
+    pass the L2, and the µs one call's KV takes at the HBM bound."""
+    kv_bytes = 2 * batch * min(ctx, shape.window or ctx) * shape.kv_heads * shape.dim * 2
     copies = max(1, -(-150_000_000 // kv_bytes))
-    batches = [attention_tiles.build(shape, 256, ctx) for _ in range(copies)]
+    batches = [attention_tiles.build(shape, batch, ctx) for _ in range(copies)]
     calls = []
     for i in range(max(8, copies)):
         q, kc, vc, meta, sinks = batches[i % copies]
@@ -103,19 +106,20 @@ def _attention_calls(shape, ctx: int) -> tuple[list, float]:
 
 
 def _attention_variants(section: str, cases, name: str, variants: dict) -> None:
-    """Decode attention at each ``(shape name, context)`` of ``cases``, chained once per
-    variant: ``triton_attention.<name>`` set to each value of ``variants`` (label: value),
-    restored afterwards."""
+    """Decode attention at each ``(shape name, context[, batch])`` of ``cases`` (batch 256
+    unless given), chained once per variant: ``triton_attention.<name>`` set to each value
+    of ``variants`` (label: value), restored afterwards."""
     default = getattr(triton_attention, name)
     try:
-        for shape_name, ctx in cases:
-            calls, bound = _attention_calls(attention_tiles.SHAPES[shape_name], ctx)
+        for shape_name, ctx, *batch in cases:
+            batch = batch[0] if batch else 256
+            calls, bound = _attention_calls(attention_tiles.SHAPES[shape_name], ctx, batch)
             row = []
             for label, value in variants.items():
                 setattr(triton_attention, name, value)
                 row.append(f"{label} {graph_replay.chained_us(calls):6.1f}")
             print(
-                f"{section} {shape_name:15s} ctx {ctx:5d} (bound {bound:6.1f} us): "
+                f"{section} {shape_name:15s} B {batch:3d} ctx {ctx:5d} (bound {bound:6.1f} us): "
                 + "  ".join(row),
                 flush=True,
             )
@@ -141,6 +145,20 @@ def regs() -> None:
         for n, reg in tiles
     }
     _attention_variants("regs", cases, "_tile_configs", variants)
+
+
+def regs_batches() -> None:
+    """Qwen3's decode attention below batch 256: the tile ``_tile_configs`` picks against
+    the 32-key tile capped at 64 registers at any key split (the default takes it only
+    at one split, from batch 132)."""
+    cases = [("qwen3", ctx, b) for ctx in (320, 1024, 4096) for b in (32, 64, 96, 128, 160, 192)]
+    default = triton_attention._tile_configs
+    capped = triton_attention.TileConfig(16, 32, 4, 2, 64)
+    variants = {
+        "default": default,
+        "N32 r64": lambda *shape: (capped, default(*shape)[1]),
+    }
+    _attention_variants("regs-batches", cases, "_tile_configs", variants)
 
 
 def sinks() -> None:
@@ -380,7 +398,7 @@ def main() -> None:
     sections = {
         "align": align, "attention": attention, "splits": splits, "sinks": sinks,
         "gemms": gemms, "splitk": splitk, "streams": streams, "warm": warm,
-        "regs": regs,
+        "regs": regs, "regs-batches": regs_batches,
     }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:

@@ -37,7 +37,7 @@ def compile_decode(group: int, head_dim: int, cfg=None, block_size: int = 16):
     """The decode class of ``_paged_attention_kernel`` at ``cfg`` (by default the tile
     ``_tile_configs`` picks at batch 256) for ``group`` heads of ``head_dim`` (no sinks,
     no window, one key split)."""
-    cfg = cfg or triton_attention._tile_configs(group, head_dim, False, 1)[0]
+    cfg = cfg or triton_attention._tile_configs(group, head_dim, False, 256 * 4, 132)[0]
     fn = triton_attention._paged_attention_kernel
     constants = {
         "GROUP": group, "BLOCK_Q": cfg.block_m // group, "BLOCK_M": cfg.block_m,
@@ -86,7 +86,7 @@ def test_qwen3_decode_attention_fits_one_wave_at_batch_256():
 def test_the_check_tells_the_uncapped_tile_apart():
     """The same kernel on the 64-key tile without a cap (the tile before) fits four, so the
     check above is not true of any tile."""
-    capped = triton_attention._tile_configs(8, 128, False, 1)[0]
+    capped = triton_attention._tile_configs(8, 128, False, 256 * 4, 132)[0]
     wide, compiled = compile_decode(8, 128, capped._replace(block_n=64, maxnreg=None))
     registers, _ = ptxas_usage(compiled)
     assert resident_programs(registers, 32 * wide.num_warps, compiled.metadata.shared) == 4

@@ -270,11 +270,30 @@ def test_fp32_cache() -> None:
     _check_attention(q_lens, seq_lens, 2, 2, 64, 16, torch.float32, seed=3)
 
 
+@pytest.mark.parametrize(
+    ("group", "head_dim", "sinks", "programs", "capped"),
+    [
+        (8, 128, False, 256 * 4, True),  # Qwen3 at batch 256, one split: two waves uncapped
+        (8, 128, False, 96 * 4 * 2, True),  # batch 96, two splits: 768 programs
+        (8, 128, False, 64 * 4 * 2, False),  # batch 64: 512 fit one wave of the swept tile
+        (8, 128, False, 4 * 132, False),  # exactly one wave
+        (8, 128, False, 4 * 132 + 1, True),
+        (1, 128, False, 256 * 16, False),  # OLMoE: no groups, 4,096 programs fill any tile
+        (8, 64, True, 256 * 8, False),  # gpt-oss: heads of 64, sinks
+    ],
+)
+def test_capped_decode_tile_only_past_one_wave(group, head_dim, sinks, programs, capped) -> None:
+    """The capped tile is chosen where it was measured to win: Qwen3's shape, grids the
+    swept tile runs in two waves."""
+    cfg = triton_attention._tile_configs(group, head_dim, sinks, programs, 132)[0]
+    assert (cfg.maxnreg is not None) == capped
+
+
 def test_decode_on_the_full_batch_tile() -> None:
-    """Qwen3's shape (4 KV heads, groups of 8, heads of 128) on the tile its batches of one
-    key split take (32 keys, a register cap): the reference result.  The other tests'
-    batches are small enough for two splits, which keep the swept tile."""
-    cfg = triton_attention._tile_configs(8, 128, False, 1)[0]
+    """Qwen3's shape (4 KV heads, groups of 8, heads of 128) on the tile its batches past
+    one wave of the swept tile take (32 keys, a register cap): the reference result.  The
+    other tests' batches are small enough for the swept tile."""
+    cfg = triton_attention._tile_configs(8, 128, False, 256 * 4, 132)[0]
     assert cfg.maxnreg is not None  # the capped tile, not the one the other tests cover
     gen = torch.Generator().manual_seed(13)
     seq_lens = DECODE_CTX

@@ -792,10 +792,16 @@ class TileConfig(NamedTuple):
     maxnreg: int | None = None  # a register cap, for more resident programs (None: ptxas's)
 
 
+# Programs of the swept decode tile a multiprocessor holds for Qwen3's shape (105
+# registers, 38.9 KB of shared memory: four), where the capped tile holds eight.
+SWEPT_TILE_PROGRAMS_PER_SM = 4
+
+
 def _tile_configs(
-    group: int, head_dim: int, sinks: bool, num_splits: int
+    group: int, head_dim: int, sinks: bool, decode_programs: int, num_sms: int
 ) -> tuple[TileConfig, TileConfig]:
-    """(decode, prefill) tiles.
+    """(decode, prefill) tiles; ``decode_programs`` is the decode launch's grid (sequences x
+    KV heads x key splits).
 
     Decode: the fewest rows a tensor-core dot takes (16) or one query's group
     of heads.  Prefill: 64 rows.  From benchmarks/kernels.py on an H200: decode
@@ -804,15 +810,18 @@ def _tile_configs(
     and for 4 x 1024 after 3072 cached (M128 variants 4-28% slower).
 
     Groups of 8 or more heads of 128 (Qwen3-30B-A3B's 32 over 4) decode on 32-key
-    tiles capped at 64 registers: eight programs a multiprocessor where 105 registers
-    fit four, so batch 256's 1,024 programs run in one wave, not two (chained at
-    context 320: 46.2 us against 47.8; ``python benchmarks/steady_state.py regs``).
-    Only batches whose programs pass one wave of the uncapped tile (one key split,
-    ``_num_splits``) take it: smaller ones, measured on neither, keep the tile that was
-    swept for them.
+    tiles capped at 64 registers once their programs pass one wave of the swept tile:
+    eight programs a multiprocessor where it fits four, so the grid runs in one wave,
+    not two.  ``python benchmarks/steady_state.py regs regs-batches`` (chained, µs):
+    batch 256 at context 320 46.2 against 47.8; batch 96 (768 programs, two splits)
+    26.2 / 59.0 / 198.5 against 28.5 / 65.2 / 219.9 at contexts 320 / 1,024 / 4,096;
+    batch 128 level to 5% faster; batches 160-192 level.  Grids that fit one wave
+    of the swept tile lose with the capped one (batch 64, 512 programs: 45.9 against
+    41.6 at context 1,024; batch 32 at 4,096 keys 118.6 against 87.8).
     """
     decode = TileConfig(max(16, triton.next_power_of_2(group)), 64, 4, 2)
-    if num_splits == 1 and group >= 8 and head_dim == 128 and not sinks:
+    past_one_wave = decode_programs > SWEPT_TILE_PROGRAMS_PER_SM * num_sms
+    if past_one_wave and group >= 8 and head_dim == 128 and not sinks:
         decode = decode._replace(block_n=32, maxnreg=64)
     prefill = TileConfig(max(64, triton.next_power_of_2(group)), 64, 4, 2)
     return decode, prefill
@@ -1024,10 +1033,12 @@ def paged_attention(
         return out
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks of shape {tuple(sinks.shape)}, want ({num_heads},)")
-    splits = _num_splits(meta.seq_lens.shape[0], num_kv_heads, q.device)
+    num_seqs = meta.seq_lens.shape[0]
+    splits = _num_splits(num_seqs, num_kv_heads, q.device)
     decode_cfg, prefill_cfg = _tile_configs(
-        num_heads // num_kv_heads, head_dim, sinks is not None, splits
-    )
+        num_heads // num_kv_heads, head_dim, sinks is not None,
+        num_seqs * num_kv_heads * splits, _num_sms(q.device),
+    )  # fmt: skip
     longest = decode_max_q(decode_cfg.block_m, num_heads // num_kv_heads, splits)
     # Each class is launched only if the step may hold such a sequence; skipping
     # a class whose programs would all return changes nothing in the output.
