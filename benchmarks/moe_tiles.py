@@ -18,10 +18,10 @@ MXFP4 shapes: ``gpt-oss-mx`` (checkpoint layout, ``tl.dot_scaled``),
 ``block_n`` counts weight rows).  Run together, the last lines compare each
 shape's best with the first shape's.  ``--tiles 32,128,128,8,4,3 ...`` times
 only the tiles given (block_m, block_n, block_k, group_m, warps, stages and,
-optionally, the loaded experts' block, 0 for none; the rest as the shape's
-default), for comparing trees or layouts side by side.
+optionally, the loaded experts' block, 0 for none, then a register cap, 0 for
+none; the rest as the shape's default), for comparing trees or layouts side by side.
 
-A config with ``loaded_block_m`` (the fragment default from 16 rows an
+A config with ``loaded_block_m`` (the fragment default from 32 rows an
 expert) runs as the engine runs it: the pairs grouped by the fused routing
 kernel, in two kinds of block, the routing's launch inside the timed call
 (where the others time ``align_routing``'s).
@@ -207,11 +207,14 @@ def time_graph(fn) -> float:
 
 
 def parse_tile(default: tm.MoEConfig, text: str) -> tm.MoEConfig:
-    """``BM,BN,BK,GROUP,WARPS,STAGES[,LOADED_BM]`` over ``default`` (``LOADED_BM`` 0: one kind)."""
+    """``BM,BN,BK,GROUP,WARPS,STAGES[,LOADED_BM[,MAXNREG]]`` over ``default`` (``LOADED_BM``
+    0: one kind; ``MAXNREG`` a register cap, 0: none)."""
     values = [int(v) for v in text.split(",")]
     tile = default._replace(**dict(zip(TILE_FIELDS, values[:6], strict=True)))
-    if len(values) == 7:
+    if len(values) >= 7:
         tile = tile._replace(loaded_block_m=values[6] or None)
+    if len(values) == 8:
+        tile = tile._replace(maxnreg=values[7] or None)
     return tile
 
 
@@ -227,7 +230,7 @@ def main() -> None:
         "--tiles",
         nargs="+",
         default=None,
-        help="only these tiles: BM,BN,BK,GROUP,WARPS,STAGES[,LOADED_BM (0: none)]",
+        help="only these tiles: BM,BN,BK,GROUP,WARPS,STAGES[,LOADED_BM (0: none)[,MAXNREG]]",
     )
     args = parser.parse_args()
     names = args.shapes.split(",")
