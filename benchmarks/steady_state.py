@@ -133,30 +133,31 @@ def splits() -> None:
     _attention_variants("splits", cases, "_num_splits", variants)
 
 
+def _decode_tile(tile: triton_attention.TileConfig):
+    """A stand-in for ``_tile_configs`` that decodes on ``tile`` and keeps the prefill tile
+    the real one picks (taken now, before ``_attention_variants`` swaps it out)."""
+    default = triton_attention._tile_configs
+    return lambda *shape: (tile, default(*shape)[1])
+
+
 def regs() -> None:
     cases = [(name, ctx) for name in ("qwen3", "olmoe") for ctx in (320, 1024)]
-    default = triton_attention._tile_configs
     tiles = [(64, None), (64, 96), (64, 80), (32, None), (32, 80), (32, 64)]
     variants = {
-        f"N{n} r{reg or '-'}": lambda *shape, n=n, reg=reg: (
-            triton_attention.TileConfig(16, n, 4, 2, reg),
-            default(*shape)[1],
-        )
+        f"N{n} r{reg or '-'}": _decode_tile(triton_attention.TileConfig(16, n, 4, 2, reg))
         for n, reg in tiles
     }
     _attention_variants("regs", cases, "_tile_configs", variants)
 
 
 def regs_batches() -> None:
-    """Qwen3's decode attention below batch 256: the tile ``_tile_configs`` picks against
-    the 32-key tile capped at 64 registers at any key split (the default takes it only
-    at one split, from batch 132)."""
+    """Qwen3's decode attention below batch 256: the tile ``_tile_configs`` picks (since
+    this section's first run, the capped tile wherever the swept one takes two waves)
+    against the 32-key tile capped at 64 registers at every batch."""
     cases = [("qwen3", ctx, b) for ctx in (320, 1024, 4096) for b in (32, 64, 96, 128, 160, 192)]
-    default = triton_attention._tile_configs
-    capped = triton_attention.TileConfig(16, 32, 4, 2, 64)
     variants = {
-        "default": default,
-        "N32 r64": lambda *shape: (capped, default(*shape)[1]),
+        "default": triton_attention._tile_configs,
+        "N32 r64": _decode_tile(triton_attention.TileConfig(16, 32, 4, 2, 64)),
     }
     _attention_variants("regs-batches", cases, "_tile_configs", variants)
 
