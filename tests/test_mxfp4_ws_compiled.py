@@ -28,8 +28,13 @@ from h200_compile_helpers import H200, ptxas_notes  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
+# benchmarks/ on the path only while importing: left there, its kernels.py would shadow
+# the `kernels` package that transformers imports, for every later test in the worker.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import mxfp4_ws  # noqa: E402
+try:
+    import mxfp4_ws  # noqa: E402
+finally:
+    del sys.path[0]
 
 INT_POINTERS = {"sorted_pair_ids_ptr", "block_expert_ids_ptr", "num_rows_padded_ptr"}
 MAXNREG = 128  # what the benchmark launches with
