@@ -139,16 +139,6 @@ def _scale_layout(num_warps):
 
 
 @gluon.jit
-def _tile_of(pid, num_m_blocks, num_n, GROUP_M: gl.constexpr):
-    """Row block and weight tile of a program, ``GROUP_M`` row blocks walking the weight
-    tiles together (their weights then come from L2 for all but the first)."""
-    width = GROUP_M * num_n
-    first_m = pid // width * GROUP_M
-    size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
-    return first_m + (pid % width) % size_m, (pid % width) // size_m
-
-
-@gluon.jit
 def _loader(
     w_desc, wt_desc, s_desc, x_desc, ready, empty, words_s, tail_s, scales_s, x_s,
     word_line, tail_line, scale_line, x_row, chunk_lines, scale_chunk_lines, num_full,
@@ -193,17 +183,22 @@ def _loader(
 
 
 @gluon.jit
-def _stage_words(words_smem, scales_smem, num_warps: gl.constexpr):
-    """A full stage's words and scales as two halves of 64 values: ``([R, 2, 4], [R, 2])`` each."""
+def _stage_words(words_smem, num_warps: gl.constexpr):
+    """A full stage's words as two halves of 64 values, ``[R, 2, 4]`` each."""
     ROWS: gl.constexpr = _rows(num_warps)
     line_rows = words_smem._reinterpret(gl.int32, [ROWS, 16], words_smem.layout)
     words = line_rows.load(_chunk_layout(num_warps))
     words = gl.permute(gl.reshape(words, [ROWS, 4, 2, 2]), (0, 3, 1, 2))  # [R, j_lo, t, j_hi]
-    w0, w1 = gl.split(words)
+    return gl.split(words)
+
+
+@gluon.jit
+def _stage_scales(scales_smem, num_warps: gl.constexpr):
+    """A stage's scales as two halves of 64 values, ``[R, 2]`` each."""
+    ROWS: gl.constexpr = _rows(num_warps)
     scale_rows = scales_smem._reinterpret(gl.uint8, [ROWS // 4, 16], scales_smem.layout)
     scales = gl.reshape(scale_rows.load(_scale_layout(num_warps)), [ROWS, 2, 2])
-    s0, s1 = gl.split(gl.permute(scales, (0, 2, 1)))  # [R, j_lo]
-    return w0, s0, w1, s1
+    return gl.split(gl.permute(scales, (0, 2, 1)))  # [R, j_lo]
 
 
 @gluon.jit
@@ -236,7 +231,8 @@ def _tile_product(
         if SYNC:
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         if ABLATE != COPIES_ONLY:
-            w0, s0, w1, s1 = _stage_words(words_s.index(s), scales_s.index(s), num_warps)
+            w0, w1 = _stage_words(words_s.index(s), num_warps)
+            s0, s1 = _stage_scales(scales_s.index(s), num_warps)
             acc = _half_product(acc, w0, s0, x_s.index(2 * s), N, num_warps)
             acc = _half_product(acc, w1, s1, x_s.index(2 * s + 1), N, num_warps)
             acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
@@ -250,7 +246,7 @@ def _tile_product(
             _tail_layout(num_warps)
         )
         words = gl.permute(gl.reshape(tail, [ROWS, 4, 2]), (0, 2, 1))
-        w0, s0, w1, s1 = _stage_words(words_s.index(s), scales_s.index(s), num_warps)
+        s0, _ = _stage_scales(scales_s.index(s), num_warps)
         acc = _half_product(acc, words, s0, x_s.index(2 * s), N, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return acc
@@ -297,19 +293,23 @@ def _gate_up_epilogue(
     ch_ok = channels < inter
     rows = pid_m * BLOCK_M + gl.arange(0, N, layout=gl.SliceLayout(0, layout))
     row_ok = gl.load(sorted_pair_ids_ptr + rows) < num_pairs
+    bias_g = 0.0
+    bias_u = 0.0
     if HAS_BIAS:
         b_ptrs = b_ptr + expert * stride_be + channels
-        bias_g = gl.load(b_ptrs, mask=ch_ok, other=0.0).to(gl.float32)
-        bias_u = gl.load(b_ptrs + inter, mask=ch_ok, other=0.0).to(gl.float32)
-        acc_g = round_to_bf16(round_to_bf16(acc_g) + gl.expand_dims(bias_g, 1))
-        acc_u = round_to_bf16(round_to_bf16(acc_u) + gl.expand_dims(bias_u, 1))
-    else:
-        acc_g = round_to_bf16(acc_g)
-        acc_u = round_to_bf16(acc_u)
-    g = gl.minimum(acc_g, swiglu_limit)
-    u = gl.minimum(gl.maximum(acc_u, -swiglu_limit), swiglu_limit)
-    sig = round_to_bf16(1 / (1 + gl.exp(-round_to_bf16(g * swiglu_alpha))))
-    out = round_to_bf16(u + 1.0) * round_to_bf16(g * sig)
+        bias_g = gl.expand_dims(gl.load(b_ptrs, mask=ch_ok, other=0.0).to(gl.float32), 1)
+        bias_u = gl.expand_dims(gl.load(b_ptrs + inter, mask=ch_ok, other=0.0).to(gl.float32), 1)
+    out = tm._gated_activation(
+        acc_g,
+        acc_u,
+        bias_g,
+        bias_u,
+        swiglu_alpha,
+        swiglu_limit,
+        gl.bfloat16,
+        "clamped_swiglu",
+        HAS_BIAS,
+    )
     ptrs = h_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ht, 0) + gl.expand_dims(channels, 1)
     gl.store(ptrs, out.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 0) & gl.expand_dims(ch_ok, 1))
 
@@ -352,7 +352,7 @@ def _experts_kernel(
     ``GATE_UP``: ``h[row] = swiglu(w13[e] @ xs[row] + b13[e])`` (``xs``: the tokens in the
     blocks' row order); else ``y[pair] = weight[pair] * (w2[e] @ h[row] + b2[e])``."""
     ROWS: gl.constexpr = _rows(num_warps)
-    pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, gl.cdiv(n_rows, ROWS), GROUP_M)
+    pid_m, pid_n = tm._tile_ids(gl.program_id(0), num_m_blocks, gl.cdiv(n_rows, ROWS), GROUP_M)
     if pid_m * BLOCK_M < gl.load(num_rows_padded_ptr):
         expert = gl.load(block_expert_ids_ptr + pid_m)
         n0 = pid_n * ROWS
