@@ -300,16 +300,9 @@ def _gate_up_epilogue(
         bias_g = gl.expand_dims(gl.load(b_ptrs, mask=ch_ok, other=0.0).to(gl.float32), 1)
         bias_u = gl.expand_dims(gl.load(b_ptrs + inter, mask=ch_ok, other=0.0).to(gl.float32), 1)
     out = tm._gated_activation(
-        acc_g,
-        acc_u,
-        bias_g,
-        bias_u,
-        swiglu_alpha,
-        swiglu_limit,
-        gl.bfloat16,
-        "clamped_swiglu",
+        acc_g, acc_u, bias_g, bias_u, swiglu_alpha, swiglu_limit, gl.bfloat16, "clamped_swiglu",
         HAS_BIAS,
-    )
+    )  # fmt: skip
     ptrs = h_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ht, 0) + gl.expand_dims(channels, 1)
     gl.store(ptrs, out.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 0) & gl.expand_dims(ch_ok, 1))
 
