@@ -133,7 +133,8 @@ def sweep(name: str, batch: int, ctx: int, hbm_gbs: float, top: int) -> None:
     )
     timed("prefill class alone (no work)", partial(
         ta._launch_class, q, kc, vc, both_meta, scale, shape.window, out, prefill_cfg,
-        decode=False, decode_max_q=ta.decode_max_q(decode_cfg.block_m, group, splits),
+        decode=False,
+        decode_max_q=ta.decode_max_q(decode_cfg.block_m, group, splits, decode_cfg.pack),
         sinks=sinks,
     ))  # fmt: skip
     results = []

@@ -80,8 +80,9 @@ class Step:
             min_query_len=min(q_lens),
         )
 
-    def kernel(self, window: int | None, splits: int | None = None) -> torch.Tensor:
-        """The kernel's output; ``splits``: force that split-K factor (decode tiles)."""
+    def kernel(self, window: int | None, splits: int | None = None, pack: int = 1) -> torch.Tensor:
+        """The kernel's output; ``splits``: force that split-K factor (decode tiles), and
+        ``pack`` KV heads a decode program."""
         q, k, v = (t.to(DEVICE) for t in (self.q, self.k_cache, self.v_cache))
         sinks = self.sinks.to(DEVICE)
         if splits is None:
@@ -91,8 +92,9 @@ class Step:
         else:
             out = torch.full_like(q, float("nan"))
             triton_attention._launch_attention(
-                q, k, v, self.meta, SCALE, window, out, 16, 16, 4, 2, splits, sinks=sinks
-            )
+                q, k, v, self.meta, SCALE, window, out, 16, 16, 4, 2, splits, sinks=sinks,
+                pack=pack,
+            )  # fmt: skip
         return out.cpu()
 
     def emulate(self, window: int | None, *, normalise_then_round: bool = True) -> torch.Tensor:
@@ -231,6 +233,44 @@ def test_scores_in_the_pool_are_the_passes_bit_for_bit(window, host_lengths, mon
         assert torch.equal(got.view(torch.int16), passes.view(torch.int16)), size
     assert same(passes, want) > 0.995, same(passes, want)
     assert_close_where_differing(passes, want)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("pool", [0, 60, 1024], ids=["passes", "part-pool", "pool"])
+def test_packed_kv_heads_give_each_head_its_own_bits(window, pool, monkeypatch):
+    """A decode program taking both KV heads (their groups stacked as 8 of the 16 rows,
+    their dims side by side) computes each row's scores, sums and weighted values from
+    its own head's columns, the other head's adding exact zeros: the bits one KV head
+    a program gives, on the one tile, the pool and the passes.  The two- and three-query
+    sequences, which a packed decode class leaves to the prefill class, land there on
+    the reference."""
+    monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", pool)
+    step = Step([1, 2, 1, 1, 3, 1], [7, 20, 23, 40, 61, 33], seed=11)
+    single = step.kernel(window, splits=1, pack=1)
+    step.meta.derived.clear()
+    packed = step.kernel(window, splits=1, pack=2)
+    assert torch.equal(packed.view(torch.int16), single.view(torch.int16))
+    want = step.emulate(window)
+    assert same(packed, want) > 0.995, same(packed, want)
+    assert_close_where_differing(packed, want)
+
+
+def test_decode_tiles_pack_kv_heads_only_where_they_fit(monkeypatch):
+    """Sinks' decode tiles pack KV heads up to ``SINK_DECODE_PACK`` and the 16 rows; the
+    launch takes fewer where the heads do not divide, or under key splits, or with heads
+    apart in the cache."""
+    monkeypatch.setattr(triton_attention, "SINK_DECODE_PACK", 4)
+    cfg = triton_attention._tile_configs(8, 64, True, 256 * 8, 132)[0]  # gpt-oss-20b
+    assert cfg.pack == 2 and cfg.block_m == 16
+    assert triton_attention._tile_configs(8, 128, False, 256 * 4, 132)[0].pack == 1
+    monkeypatch.setattr(triton_attention, "SINK_DECODE_PACK", 1)
+    assert triton_attention._tile_configs(8, 64, True, 256 * 8, 132)[0].pack == 1
+    cache = torch.empty(4, BLOCK, 6, HEAD_DIM)
+    fit = triton_attention._fitting_pack
+    assert fit(4, 1, cache, cache) == 2
+    assert fit(2, 2, cache, cache) == 1
+    apart = torch.empty(4, BLOCK, HEAD_DIM, 6).transpose(2, 3)
+    assert fit(2, 1, apart, apart) == 1
 
 
 def test_pool_shares_follow_the_decode_sequences():

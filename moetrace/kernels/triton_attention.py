@@ -546,6 +546,7 @@ def _paged_attention_kernel(
     HEADS_FAST: tl.constexpr = False,
     ONE_TILE: tl.constexpr = 0,
     SCORES_POOL: tl.constexpr = False,
+    PACK: tl.constexpr = 1,
 ):
     """One (query tile, KV head[, key split]) of one class of sequences.
 
@@ -555,6 +556,17 @@ def _paged_attention_kernel(
     so the grid depends on the step's padded shape alone.  ``HEADS_FAST``: the
     grid's first axis is the KV head (and split), so a sequence's heads run
     side by side and read neighbouring bytes of its cache blocks.
+
+    ``PACK > 1`` (decode class, one query a sequence, heads contiguous in the
+    cache): a program takes ``PACK`` neighbouring KV heads, their groups of
+    query heads stacked as the tile's rows and their dims side by side as
+    its columns (``BLOCK_D`` = ``PACK`` heads' dims).  Each row's query is
+    zero outside its own KV head's columns, so one product over the packed
+    columns gives every row its own head's scores (the other heads' columns
+    add exact zeros), and each row stores only its own columns of the
+    weighted values.  A group smaller than the tensor cores' 16 rows then
+    fills them with real rows instead of padding, which halves the per-key
+    work of the softmax (gpt-oss's sinks round it eagerly, at a cost).
     """
     if HEADS_FAST:
         pid = tl.program_id(1)
@@ -562,7 +574,7 @@ def _paged_attention_kernel(
     else:
         pid = tl.program_id(0)
         head_split = tl.program_id(1)
-    kv_head = head_split // NUM_SPLITS
+    kv_head = head_split // NUM_SPLITS * PACK  # the first of the program's KV heads
     split = head_split % NUM_SPLITS
 
     if DECODE_CLASS:
@@ -583,19 +595,31 @@ def _paged_attention_kernel(
     ctx_len = seq_len - q_len  # keys already in the cache before this step's queries
     stride_bt = tl.load(bt_stride_ptr).to(tl.int64)
 
-    # Row r of the tile is query (tile * BLOCK_Q + r // GROUP), head (kv_head * GROUP + r % GROUP).
     rows = tl.arange(0, BLOCK_M)
-    q_idx = tile * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
-    pos = ctx_len + q_idx
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    if PACK > 1:
+        # Row r is head kv_head * GROUP + r of the one query; its KV head's dims are
+        # columns from (r // GROUP) * HEAD_DIM on (HEAD_DIM a power of two here).
+        q_idx = tile * BLOCK_Q + rows * 0
+        head = kv_head * GROUP + rows
+        row_ok = (rows < PACK * GROUP) & (q_idx < q_len)
+        d_ok = d < PACK * HEAD_DIM
+        own_cols = (d[None, :] // HEAD_DIM) == (rows // GROUP)[:, None]
+        head_cols = d[None, :] - (rows // GROUP)[:, None] * HEAD_DIM
+    else:
+        # Row r is query (tile * BLOCK_Q + r // GROUP), head (kv_head * GROUP + r % GROUP).
+        q_idx = tile * BLOCK_Q + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+        d_ok = d < HEAD_DIM
+        own_cols = d_ok[None, :]
+        head_cols = d[None, :]
+    pos = ctx_len + q_idx
 
     tok = (q_start + q_idx).to(tl.int64)
     q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + head_cols,
+        mask=row_ok[:, None] & own_cols,
         other=0.0,
     )
 
@@ -608,6 +632,7 @@ def _paged_attention_kernel(
         kv_lo = tl.maximum(first_pos - window + 1, 0)
     row_lo = kv_lo
     row_hi = kv_hi
+    tl.static_assert(PACK == 1 or NUM_SPLITS == 1, "packed KV heads take no key splits")
     if NUM_SPLITS > 1:
         # Flash-decoding: this program takes one contiguous share of the keys.
         chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -678,8 +703,8 @@ def _paged_attention_kernel(
     else:
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_i[:, None]
-        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + head_cols
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & own_cols)
 
 
 @triton.jit
@@ -790,7 +815,14 @@ class TileConfig(NamedTuple):
     num_warps: int
     num_stages: int
     maxnreg: int | None = None  # a register cap, for more resident programs (None: ptxas's)
+    pack: int = 1  # KV heads a decode program takes (``_paged_attention_kernel``'s PACK)
 
+
+# KV heads a decode program with sinks may take (``_paged_attention_kernel``'s PACK).  Two
+# fill gpt-oss-20b's 16-row tile with real rows (its groups are 8 heads) and, compiled for
+# sm_90a, take 35% fewer instructions a key and head in the scores pool's three loops;
+# not yet timed on the H200, so one until ``steady_state.py sink-tiles`` says otherwise.
+SINK_DECODE_PACK = 1
 
 # Programs of the swept decode tile a multiprocessor holds for Qwen3's shape (105
 # registers, 38.9 KB of shared memory: four), where the capped tile holds eight.
@@ -820,6 +852,9 @@ def _tile_configs(
     41.6 at context 1,024; batch 32 at 4,096 keys 118.6 against 87.8).
     """
     decode = TileConfig(max(16, triton.next_power_of_2(group)), 64, 4, 2)
+    if sinks and group < decode.block_m and head_dim == triton.next_power_of_2(head_dim):
+        pack = min(SINK_DECODE_PACK, decode.block_m // triton.next_power_of_2(group))
+        decode = decode._replace(pack=pack)
     past_one_wave = decode_programs > SWEPT_TILE_PROGRAMS_PER_SM * num_sms
     if past_one_wave and group >= 8 and head_dim == 128 and not sinks:
         decode = decode._replace(block_n=32, maxnreg=64)
@@ -827,10 +862,11 @@ def _tile_configs(
     return decode, prefill
 
 
-def decode_max_q(block_m: int, group: int, num_splits: int) -> int:
+def decode_max_q(block_m: int, group: int, num_splits: int, pack: int = 1) -> int:
     """The longest query the decode class takes: one with key splits (their merge
-    handles single queries), else as many as a tile of ``block_m`` rows holds."""
-    return 1 if num_splits > 1 else max(1, block_m // group)
+    handles single queries) or packed KV heads, else as many as a tile of ``block_m``
+    rows holds."""
+    return 1 if num_splits > 1 or pack > 1 else max(1, block_m // group)
 
 
 def _block_table_stride(meta: AttentionMetadata) -> torch.Tensor:
@@ -862,14 +898,19 @@ def _launch_class(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_q = cfg.block_m // group
-    # Tensor-core dots need K >= 16: narrower heads are padded (masked lanes read as 0).
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    num_seqs = meta.seq_lens.shape[0]
     splits = num_splits if decode else 1
+    pack = cfg.pack if decode else 1
+    pow2_heads = head_dim == triton.next_power_of_2(head_dim)
+    if pack > 1 and (_fitting_pack(pack, splits, k_cache, v_cache) != pack or not pow2_heads):
+        raise ValueError(f"a decode tile of {pack} packed KV heads does not fit this launch")
+    block_q = cfg.block_m // (group * pack)
+    # Tensor-core dots need K >= 16: narrower heads are padded (masked lanes read as 0).
+    block_d = max(16, triton.next_power_of_2(head_dim)) * pack
+    num_seqs = meta.seq_lens.shape[0]
     programs = num_seqs if decode else num_tokens // block_q + num_seqs
     heads_fast = decode and programs <= _MAX_GRID_Y
-    grid = (num_kv_heads * splits, programs) if heads_fast else (programs, num_kv_heads * splits)
+    head_programs = num_kv_heads // pack * splits
+    grid = (head_programs, programs) if heads_fast else (programs, head_programs)
     use_window = sliding_window is not None and sliding_window > 0
     # A window layer's decode rows see at most `window` keys: with sinks, one tile that
     # holds them all replaces the three passes (H200, gpt-oss-20b: docs/benchmarks.md).
@@ -941,6 +982,7 @@ def _launch_class(
         HEADS_FAST=heads_fast,
         ONE_TILE=one_tile,
         SCORES_POOL=pool,
+        PACK=pack,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
@@ -962,6 +1004,22 @@ def _launch_class(
         )
 
 
+def _heads_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether a token's KV heads sit side by side in both caches (what packing reads)."""
+    dim = k_cache.shape[3]
+    return k_cache.stride(2) == dim and v_cache.stride(2) == dim
+
+
+def _fitting_pack(pack: int, splits: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The most KV heads, up to ``pack``, that a decode program can take in this launch: a
+    divisor of the KV heads, none packed under key splits or with heads apart in the cache."""
+    if splits > 1 or not _heads_contiguous(k_cache, v_cache):
+        return 1
+    while k_cache.shape[2] % pack:
+        pack //= 2
+    return pack
+
+
 def _launch_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -977,11 +1035,12 @@ def _launch_attention(
     num_splits: int = 1,
     sinks: torch.Tensor | None = None,
     maxnreg: int | None = None,
+    pack: int = 1,
 ) -> None:
     """Both classes with one explicit tile config (benchmarks sweep these; tests pin them)."""
-    cfg = TileConfig(block_m, block_n, num_warps, num_stages, maxnreg)
+    cfg = TileConfig(block_m, block_n, num_warps, num_stages, maxnreg, pack)
     group = q.shape[1] // k_cache.shape[2]
-    longest = decode_max_q(block_m, group, num_splits)
+    longest = decode_max_q(block_m, group, num_splits, pack)
     for decode in (True, False):
         _launch_class(
             q, k_cache, v_cache, meta, scale, sliding_window, out, cfg,
@@ -1039,7 +1098,8 @@ def paged_attention(
         num_heads // num_kv_heads, head_dim, sinks is not None,
         num_seqs * num_kv_heads * splits, _num_sms(q.device),
     )  # fmt: skip
-    longest = decode_max_q(decode_cfg.block_m, num_heads // num_kv_heads, splits)
+    decode_cfg = decode_cfg._replace(pack=_fitting_pack(decode_cfg.pack, splits, k_cache, v_cache))
+    longest = decode_max_q(decode_cfg.block_m, num_heads // num_kv_heads, splits, decode_cfg.pack)
     # Each class is launched only if the step may hold such a sequence; skipping
     # a class whose programs would all return changes nothing in the output.
     if meta.min_query_len <= longest:
