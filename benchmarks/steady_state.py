@@ -1,7 +1,7 @@
 """Decode-step kernels timed in steady state: many calls chained in one CUDA graph.
 
     python benchmarks/steady_state.py [align] [attention] [splits] [sinks] [gemms] [splitk] [streams]
-        [regs] [regs-batches] [warm]
+        [regs] [regs-batches] [sink-tiles] [qwen3-stages] [warm]
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
@@ -36,6 +36,11 @@ and 1,024) on 64- and 32-key tiles with register caps, for more programs a multi
 (Qwen3's 1,024 programs fill about two waves at four).
 ``regs-batches``: Qwen3-30B-A3B's decode attention at batches 32-192 and contexts 320
 to 4,096, the tile ``_tile_configs`` picks against the capped 32-key tile at any split.
+``sink-tiles``: gpt-oss-20b's decode attention (full layers at contexts 320, 1,024 and
+4,096, window layers at 320) on decode tiles of 32 or 64 keys, 4 or 8 warps, 2-3 stages,
+register caps, and one or two KV heads a program.
+``qwen3-stages``: Qwen3-30B-A3B's decode attention at batch 256 on the capped 32-key
+tile with 2-4 stages, and on 16-key tiles: whether more loads in flight shorten it.
 ``warm``: whether L2 keeps what a kernel read for the kernel after it (a buffer of
 8-40 MB read cold, then read again after a warming read), and whether warming the
 first experts' gate/up weights during a layer's small kernels, when HBM idles,
@@ -168,6 +173,42 @@ def sinks() -> None:
     size = triton_attention.SINK_SCORES_POOL
     variants = {"three passes": 0, f"pool of {size:,} query-keys": size}
     _attention_variants("sinks", cases, "SINK_SCORES_POOL", variants)
+
+
+def sink_tiles() -> None:
+    """gpt-oss-20b's decode attention (sinks; full layers through the scores pool, window
+    layers on their one tile) at batch 256 on several decode tiles: key tile, warps,
+    stages, register cap and KV heads a program."""
+    cases = [("gpt-oss", ctx) for ctx in (320, 1024, 4096)] + [("gpt-oss-window", 320)]
+    tiles = [
+        (64, 4, 2, None, 1), (64, 4, 2, 80, 1), (64, 4, 2, None, 2), (32, 4, 2, None, 2),
+        (32, 4, 3, None, 2), (32, 8, 2, None, 2), (64, 8, 2, None, 2), (64, 4, 2, 96, 2),
+        (32, 4, 2, 64, 2),
+    ]  # fmt: skip
+    variants = {
+        f"N{n} w{w} s{st} r{reg or '-'} p{pack}": _decode_tile(
+            triton_attention.TileConfig(16, n, w, st, reg, pack)
+        )
+        for n, w, st, reg, pack in tiles
+    }
+    _attention_variants("sink-tiles", cases, "_tile_configs", variants)
+
+
+def qwen3_stages() -> None:
+    """Qwen3-30B-A3B's decode attention at batch 256 on the capped 32-key tile and its
+    neighbours: more stages in flight, 16-key tiles, other caps."""
+    cases = [("qwen3", ctx) for ctx in (320, 1024)]
+    tiles = [
+        (32, 4, 2, 64), (32, 4, 3, 64), (32, 4, 4, 64), (16, 4, 2, 64), (16, 4, 3, 64),
+        (16, 4, 4, 64), (32, 4, 3, 56), (32, 2, 2, 128), (32, 2, 3, 128), (64, 4, 3, 64),
+    ]  # fmt: skip
+    variants = {
+        f"N{n} w{w} s{st} r{reg or '-'}": _decode_tile(
+            triton_attention.TileConfig(16, n, w, st, reg)
+        )
+        for n, w, st, reg in tiles
+    }
+    _attention_variants("qwen3-stages", cases, "_tile_configs", variants)
 
 
 def attention() -> None:
@@ -399,7 +440,7 @@ def main() -> None:
     sections = {
         "align": align, "attention": attention, "splits": splits, "sinks": sinks,
         "gemms": gemms, "splitk": splitk, "streams": streams, "warm": warm,
-        "regs": regs, "regs-batches": regs_batches,
+        "regs": regs, "regs-batches": regs_batches, "sink-tiles": sink_tiles, "qwen3-stages": qwen3_stages,
     }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:
