@@ -8,6 +8,7 @@ after ``pytest.importorskip("triton")``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Callable, Collection
 
@@ -77,3 +78,27 @@ def ptxas_notes(compiled) -> str:
         for ext in (".ptx", ".o"):
             if os.path.exists(base + ext):
                 os.unlink(base + ext)
+
+
+def sass(compiled) -> list[tuple[int, str]]:
+    """The kernel's SASS (``cuobjdump -sass``) as (address, instruction) pairs."""
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetrace-{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        text = subprocess.run(
+            [tool("cuobjdump"), "-sass", path], capture_output=True, text=True
+        ).stdout
+    finally:
+        os.unlink(path)
+    return [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
+
+
+def sass_loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """Each loop of ``sass(...)`` as (first, last) address: the ranges of backward branches,
+    in the order their branches come."""
+    return [
+        (int(m.group(1), 16), addr)
+        for addr, i in ins
+        if (m := re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", i)) and int(m.group(1), 16) < addr
+    ]

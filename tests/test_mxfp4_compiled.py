@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
 import pytest
 
@@ -20,7 +19,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the H200: the interpreter stands in for jit", allow_module_level=True)
 
-from h200_compile_helpers import compile_h200, ptxas_notes, tool  # noqa: E402
+from h200_compile_helpers import compile_h200, ptxas_notes, sass, sass_loops  # noqa: E402
 
 from moetrace.kernels import triton_moe  # noqa: E402
 
@@ -78,22 +77,8 @@ def main_loop(ttgir: str) -> str:
 
 def sass_loop(compiled) -> list[str]:
     """Opcodes of the longest backward-branch range of the SASS: the K loop."""
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moetrace-{os.getpid()}.cubin")
-    with open(path, "wb") as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        text = subprocess.run(
-            [tool("cuobjdump"), "-sass", path], capture_output=True, text=True
-        ).stdout
-    finally:
-        os.unlink(path)
-    ins = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
-    loops = [
-        (int(m.group(1), 16), addr)
-        for addr, i in ins
-        if (m := re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", i)) and int(m.group(1), 16) < addr
-    ]
-    lo, hi = max(loops, key=lambda r: r[1] - r[0])
+    ins = sass(compiled)
+    lo, hi = max(sass_loops(ins), key=lambda r: r[1] - r[0])
     return [re.sub(r"^@!?U?P\w+\s+", "", i).split()[0] for a, i in ins if lo <= a <= hi]
 
 

@@ -822,7 +822,8 @@ class TileConfig(NamedTuple):
 # fill gpt-oss-20b's 16-row tile with real rows (its groups are 8 heads) and, compiled for
 # sm_90a, take 35% fewer instructions a key and head in the scores pool's three loops;
 # not yet timed on the H200, so one until ``steady_state.py sink-tiles`` says otherwise.
-SINK_DECODE_PACK = 1
+# ``MOETRACE_SINK_DECODE_PACK=2`` runs a process on the packed tile, for whole-step timings.
+SINK_DECODE_PACK = int(os.environ.get("MOETRACE_SINK_DECODE_PACK", "1"))
 
 # Programs of the swept decode tile a multiprocessor holds for Qwen3's shape (105
 # registers, 38.9 KB of shared memory: four), where the capped tile holds eight.
