@@ -824,6 +824,11 @@ class TileConfig(NamedTuple):
 # not yet timed on the H200, so one until ``steady_state.py sink-tiles`` says otherwise.
 # ``MOETRACE_SINK_DECODE_PACK=2`` runs a process on the packed tile, for whole-step timings.
 SINK_DECODE_PACK = int(os.environ.get("MOETRACE_SINK_DECODE_PACK", "1"))
+# A register cap for the window layers' one tile with sinks (0: ptxas's).  Chained at batch
+# 256, 80 registers (six programs a multiprocessor, no spills) took gpt-oss-20b's window
+# layers from 28.9 to 26.4 µs; the whole step has not been timed with it, so it is off
+# unless ``MOETRACE_SINK_WINDOW_MAXNREG`` sets it.
+SINK_WINDOW_MAXNREG = int(os.environ.get("MOETRACE_SINK_WINDOW_MAXNREG", "0"))
 
 # Programs of the swept decode tile a multiprocessor holds for Qwen3's shape (105
 # registers, 38.9 KB of shared memory: four), where the capped tile holds eight.
@@ -918,6 +923,8 @@ def _launch_class(
     one_tile = 0
     if sinks is not None and decode and splits == 1 and use_window and sliding_window <= 128:
         one_tile = max(16, triton.next_power_of_2(int(sliding_window)))
+        if cfg.maxnreg is None and SINK_WINDOW_MAXNREG:
+            cfg = cfg._replace(maxnreg=SINK_WINDOW_MAXNREG)
     # Rows that one tile holds never need it (a window layer's single-query rows).
     pool = sinks is not None and decode and splits == 1 and not one_tile
     pool_size = _pool_size(meta, decode_max_q) if pool else 0
