@@ -440,7 +440,8 @@ def main() -> None:
     sections = {
         "align": align, "attention": attention, "splits": splits, "sinks": sinks,
         "gemms": gemms, "splitk": splitk, "streams": streams, "warm": warm,
-        "regs": regs, "regs-batches": regs_batches, "sink-tiles": sink_tiles, "qwen3-stages": qwen3_stages,
+        "regs": regs, "regs-batches": regs_batches, "sink-tiles": sink_tiles,
+        "qwen3-stages": qwen3_stages,
     }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:

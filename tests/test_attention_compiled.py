@@ -39,9 +39,7 @@ SPILL_BYTES_ALLOWED = 64  # a few values to L1-cached local memory: measured as 
 ALIGNED_SCALARS = {"num_heads", "num_seqs"}
 
 
-def compile_decode(
-    group: int, head_dim: int, cfg=None, block_size: int = 16, sinks: bool = False
-):  # fmt: skip
+def compile_decode(group: int, head_dim: int, cfg=None, block_size: int = 16, sinks: bool = False):
     """The decode class of ``_paged_attention_kernel`` at ``cfg`` (by default the tile
     ``_tile_configs`` picks at batch 256) for ``group`` heads of ``head_dim`` (no window,
     one key split; ``sinks``: a full layer's sinks through the scores pool)."""
