@@ -48,9 +48,14 @@ def compile_h200(
     aligned: Collection[str] = (),
     **options,
 ):
-    """``fn`` built for the H200: each argument typed by ``kind(name)`` but the ``constants``,
-    and those named in ``aligned`` specialised as multiples of 16, as Triton specialises
-    such values when it launches a kernel."""
+    """``fn`` built for the H200: each argument typed by ``kind(name)`` but the ``constants``
+    (compile-time arguments not given take their defaults, as at a launch), and those
+    named in ``aligned`` specialised as multiples of 16, as Triton specialises such
+    values when it launches a kernel."""
+    defaults = {
+        p.name: p.default for p in fn.params if p.is_constexpr and p.has_default
+    }  # fmt: skip
+    constants = {**defaults, **constants}
     names = fn.arg_names
     types = {n: "constexpr" if n in constants else kind(n) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
