@@ -145,6 +145,17 @@ def _decode_tile(tile: triton_attention.TileConfig):
     return lambda *shape: (tile, default(*shape)[1])
 
 
+def _decode_tiles(tiles) -> dict:
+    """``_attention_variants`` variants from (key tile, warps, stages, register cap[, KV
+    heads a program]) tuples, each on a 16-row decode tile."""
+    variants = {}
+    for n, warps, stages, reg, *pack in tiles:
+        tile = triton_attention.TileConfig(16, n, warps, stages, reg, *pack)
+        label = f"N{n} w{warps} s{stages} r{reg or '-'} p{tile.pack}"
+        variants[label] = _decode_tile(tile)
+    return variants
+
+
 def regs() -> None:
     cases = [(name, ctx) for name in ("qwen3", "olmoe") for ctx in (320, 1024)]
     tiles = [(64, None), (64, 96), (64, 80), (32, None), (32, 80), (32, 64)]
@@ -185,13 +196,7 @@ def sink_tiles() -> None:
         (32, 4, 3, None, 2), (32, 8, 2, None, 2), (64, 8, 2, None, 2), (64, 4, 2, 96, 2),
         (32, 4, 2, 64, 2),
     ]  # fmt: skip
-    variants = {
-        f"N{n} w{w} s{st} r{reg or '-'} p{pack}": _decode_tile(
-            triton_attention.TileConfig(16, n, w, st, reg, pack)
-        )
-        for n, w, st, reg, pack in tiles
-    }
-    _attention_variants("sink-tiles", cases, "_tile_configs", variants)
+    _attention_variants("sink-tiles", cases, "_tile_configs", _decode_tiles(tiles))
 
 
 def qwen3_stages() -> None:
@@ -202,13 +207,7 @@ def qwen3_stages() -> None:
         (32, 4, 2, 64), (32, 4, 3, 64), (32, 4, 4, 64), (16, 4, 2, 64), (16, 4, 3, 64),
         (16, 4, 4, 64), (32, 4, 3, 56), (32, 2, 2, 128), (32, 2, 3, 128), (64, 4, 3, 64),
     ]  # fmt: skip
-    variants = {
-        f"N{n} w{w} s{st} r{reg or '-'}": _decode_tile(
-            triton_attention.TileConfig(16, n, w, st, reg)
-        )
-        for n, w, st, reg in tiles
-    }
-    _attention_variants("qwen3-stages", cases, "_tile_configs", variants)
+    _attention_variants("qwen3-stages", cases, "_tile_configs", _decode_tiles(tiles))
 
 
 def attention() -> None:

@@ -52,9 +52,7 @@ def compile_h200(
     (compile-time arguments not given take their defaults, as at a launch), and those
     named in ``aligned`` specialised as multiples of 16, as Triton specialises such
     values when it launches a kernel."""
-    defaults = {
-        p.name: p.default for p in fn.params if p.is_constexpr and p.has_default
-    }  # fmt: skip
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     constants = {**defaults, **constants}
     names = fn.arg_names
     types = {n: "constexpr" if n in constants else kind(n) for n in names}
