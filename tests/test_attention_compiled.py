@@ -39,10 +39,19 @@ SPILL_BYTES_ALLOWED = 64  # a few values to L1-cached local memory: measured as 
 ALIGNED_SCALARS = {"num_heads", "num_seqs"}
 
 
-def compile_decode(group: int, head_dim: int, cfg=None, block_size: int = 16, sinks: bool = False):
+def compile_decode(
+    group: int,
+    head_dim: int,
+    cfg=None,
+    block_size: int = 16,
+    sinks: bool = False,
+    reciprocal: bool = False,
+    keep_exps: bool = False,
+):
     """The decode class of ``_paged_attention_kernel`` at ``cfg`` (by default the tile
     ``_tile_configs`` picks at batch 256) for ``group`` heads of ``head_dim`` (no window,
-    one key split; ``sinks``: a full layer's sinks through the scores pool)."""
+    one key split; ``sinks``: a full layer's sinks through the scores pool, its softmax
+    by the ``reciprocal`` and with the exponentials kept, ``keep_exps``, as asked)."""
     cfg = cfg or triton_attention._tile_configs(group, head_dim, sinks, 256 * 4, 132)[0]
     fn = triton_attention._paged_attention_kernel
     constants = {
@@ -50,7 +59,8 @@ def compile_decode(group: int, head_dim: int, cfg=None, block_size: int = 16, si
         "BLOCK_N": cfg.block_n, "HEAD_DIM": head_dim, "BLOCK_D": head_dim * cfg.pack,
         "BLOCK_SIZE": block_size, "NUM_SPLITS": 1, "DECODE_CLASS": True, "USE_WINDOW": False,
         "DOT_PRECISION": "tf32", "HAS_SINKS": sinks, "PRECISE_EXP": True, "HEADS_FAST": True,
-        "ONE_TILE": 0, "SCORES_POOL": sinks, "PACK": cfg.pack,
+        "ONE_TILE": 0, "SCORES_POOL": sinks, "PACK": cfg.pack, "RECIPROCAL": reciprocal,
+        "KEEP_EXPS": keep_exps,
     }  # fmt: skip
     aligned = [
         n
@@ -61,7 +71,11 @@ def compile_decode(group: int, head_dim: int, cfg=None, block_size: int = 16, si
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg is not None:
         options["maxnreg"] = cfg.maxnreg
-    return cfg, compile_h200(fn, sixteen_bit_kind, constants, aligned, **options)
+
+    def kind(name: str) -> str:
+        return "*fp32" if name == "scores_ptr" and keep_exps else sixteen_bit_kind(name)
+
+    return cfg, compile_h200(fn, kind, constants, aligned, **options)
 
 
 def ptxas_usage(compiled) -> tuple[int, int]:
@@ -120,3 +134,39 @@ def test_packed_kv_heads_cut_the_sink_loops_per_head():
     assert spills == 0
     resident = resident_programs(registers, 32 * packed_cfg.num_warps, packed.metadata.shared)
     assert resident >= 4, (registers, packed.metadata.shared)
+
+
+def loop_ops(compiled, op: str) -> int:
+    """How many of the kernel's loop instructions are ``op`` (predicated or not)."""
+    ins = sass(compiled)
+    return sum(
+        1
+        for first, last in sass_loops(ins)
+        for addr, i in ins
+        if first <= addr <= last and i.lstrip("@!P0123456789T ").startswith(op)
+    )
+
+
+def pool_loop_instructions(compiled) -> int:
+    """Instructions in the scores pool's three key loops: the pool's branch comes first in
+    the kernel, and its loops first in the code."""
+    return sum((last - first) // 16 + 1 for first, last in sass_loops(sass(compiled))[:3])
+
+
+def test_the_faster_sink_softmax_leaves_its_loops_no_division_and_one_exp_fewer():
+    """gpt-oss-20b's packed decode tile with the sinks' softmax by each row's reciprocal
+    and the exponentials kept in the pool: no per-key reciprocal (the IEEE division's)
+    left in any key loop, the pool's values loop computing no exponential, the pool's
+    loops at most 85% of their instructions (82% compiled with Triton 3.6), and no more
+    registers: five programs a multiprocessor, as for the plain softmax."""
+    cfg = triton_attention._tile_configs(8, 64, True, 256 * 8, 132)[0]._replace(pack=2)
+    _, plain = compile_decode(8, 64, cfg, sinks=True)
+    _, faster = compile_decode(8, 64, cfg, sinks=True, reciprocal=True, keep_exps=True)
+    assert loop_ops(plain, "MUFU.RCP") > 0
+    assert loop_ops(faster, "MUFU.RCP") == 0
+    assert loop_ops(faster, "MUFU.EX2") < loop_ops(plain, "MUFU.EX2")
+    assert pool_loop_instructions(faster) <= 0.85 * pool_loop_instructions(plain)
+    registers, spills = ptxas_usage(faster)
+    assert spills == 0
+    resident = resident_programs(registers, 32 * cfg.num_warps, faster.metadata.shared)
+    assert resident >= 5, (registers, faster.metadata.shared)

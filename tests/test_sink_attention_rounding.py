@@ -22,7 +22,8 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from triton_helpers import DEVICE, INTERPRET, KERNEL_TEST_MARKS  # noqa: E402
 
@@ -215,18 +216,19 @@ def test_window_decode_in_one_tile_and_in_three_passes():
 @pytest.mark.parametrize("host_lengths", [True, False], ids=["eager", "graph"])
 def test_scores_in_the_pool_are_the_passes_bit_for_bit(window, host_lengths, monkeypatch):
     """Decode sequences with sinks keep their rows' scores in a pool shared by the batch,
-    each taking ``q_len * seq_len`` query-keys a head after those before it; the ones
-    past the pool's end take the three passes.  The same tiles, sums and roundings: the
-    same bits, whichever way a sequence goes.  Shares here: 7, 40, 23, 40 and 183
-    (running ends 7, 47, 70, 110, 293), so a pool of 60 holds the first two, 110 the
-    first four.  ``graph``: no host lengths (a captured step), the pool at its full size."""
+    each taking ``q_len`` rows of ``seq_len`` query-keys (rounded up to 8) a head after
+    those before it; the ones past the pool's end take the three passes.  The same tiles,
+    sums and roundings: the same bits, whichever way a sequence goes.  Shares here: 8,
+    48, 24, 40 and 192 (running ends 8, 56, 80, 120, 312), so a pool of 60 holds the
+    first two, 120 the first four.  ``graph``: no host lengths (a captured step), the pool
+    at its full size."""
     step = Step([1, 2, 1, 1, 3], [7, 20, 23, 40, 61], seed=8)
     if not host_lengths:
         step.meta.query_start_loc_host, step.meta.seq_lens_host = [], []
     want = step.emulate(window)
     monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", 0)
     passes = step.kernel(window, splits=1)
-    for size in (60, 110, 293, 1024):
+    for size in (60, 120, 312, 1024):
         monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", size)
         step.meta.derived.clear()
         got = step.kernel(window, splits=1)
@@ -255,6 +257,78 @@ def test_packed_kv_heads_give_each_head_its_own_bits(window, pool, monkeypatch):
     assert_close_where_differing(packed, want)
 
 
+SOFTMAX_OPTIONS = [(True, False), (False, True), (True, True)]
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("pool", [0, 60, 1024], ids=["passes", "part-pool", "pool"])
+@pytest.mark.parametrize("pack", [1, 2])
+@pytest.mark.parametrize(
+    "reciprocal, keep_exps", SOFTMAX_OPTIONS, ids=["reciprocal", "keep-exps", "both"]
+)
+def test_the_faster_softmax_gives_the_division_bits(
+    window, pool, pack, reciprocal, keep_exps, monkeypatch
+):
+    """Each probability from its row's reciprocal and one FMA correction, and the
+    exponentials kept in a float32 pool between its last two loops: the bits of the IEEE
+    division and of the exponentials computed again, on the one tile, the pool, the
+    passes and the prefill class (the two- and three-query rows)."""
+    monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", pool)
+    step = Step([1, 2, 1, 1, 3, 1], [7, 20, 23, 40, 61, 33], seed=12)
+    plain = step.kernel(window, splits=1, pack=pack)
+    monkeypatch.setattr(triton_attention, "SINK_RECIPROCAL", reciprocal)
+    monkeypatch.setattr(triton_attention, "SINK_KEEP_EXPS", keep_exps)
+    step.meta.derived.clear()
+    faster = step.kernel(window, splits=1, pack=pack)
+    assert torch.equal(faster.view(torch.int16), plain.view(torch.int16))
+    assert same(faster, step.emulate(window)) > 0.995
+
+
+def test_a_split_decode_divides_by_the_reciprocal_alike(monkeypatch):
+    """Key splits weigh their keys by the whole row's probabilities, divided the same way."""
+    step = Step(*DECODE, seed=4)
+    plain = step.kernel(None, splits=2)
+    monkeypatch.setattr(triton_attention, "SINK_RECIPROCAL", True)
+    faster = step.kernel(None, splits=2)
+    assert torch.equal(faster.view(torch.int16), plain.view(torch.int16))
+
+
+@triton.jit
+def _share_kernel(e_ptr, total_ptr, out_ptr, COLS: tl.constexpr, FUSED: tl.constexpr):
+    rows = tl.program_id(0) * 16 + tl.arange(0, 16)
+    cols = tl.arange(0, COLS)
+    e = tl.load(e_ptr + rows[:, None] * COLS + cols[None, :])
+    total = tl.load(total_ptr + rows)
+    inv = triton_attention._reciprocal(total, True)
+    q = triton_attention._share(e, total, inv, True, FUSED)
+    tl.store(out_ptr + rows[:, None] * COLS + cols[None, :], q)
+
+
+def test_the_reciprocal_share_rounds_as_ieee_division():
+    """``_share`` on sums and exponentials of a softmax's ranges (a row's sum from 1 to
+    2**20, its exponentials from 2**-100 to 1), with a third of the quotients placed a
+    hair from halfway between two float32s, where a quotient a rounding step off would
+    round the other way: float32's division, bit for bit (the GPU's FMA, or the
+    interpreter's float64 stand-in for it)."""
+    gen = torch.Generator().manual_seed(5)
+    rows, cols = 64, 256
+    total = torch.exp2(torch.rand(rows, generator=gen, dtype=torch.float64) * 20).float()
+    e = torch.exp2(-torch.rand(rows, cols, generator=gen, dtype=torch.float64) * 100).float()
+    # Quotients near a midpoint m of two float32s: e = m * total, rounded to float32.
+    q = (e.double() / total.double()[:, None]).float().double()
+    ulp = torch.finfo(torch.float32).eps * torch.exp2(torch.floor(torch.log2(q)))
+    hard = ((q + ulp / 2) * total.double()[:, None]).float()
+    e[:, ::3] = hard.clamp(max=1.0)[:, ::3]
+    want = e / total[:, None]  # IEEE division, on either device
+    out = torch.empty(rows, cols, device=DEVICE)
+    _share_kernel[(rows // 16,)](
+        e.to(DEVICE), total.to(DEVICE), out, COLS=cols, FUSED=DEVICE.type == "cuda"
+    )
+    assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
+    # The test tells: a plain product by the reciprocal misses some of them.
+    assert not torch.equal((e * (1 / total)[:, None]).view(torch.int32), want.view(torch.int32))
+
+
 def test_decode_tiles_pack_kv_heads_only_where_they_fit(monkeypatch):
     """Sinks' decode tiles pack KV heads up to ``SINK_DECODE_PACK`` and the 16 rows; the
     launch takes fewer where the heads do not divide, or under key splits, or with heads
@@ -274,21 +348,23 @@ def test_decode_tiles_pack_kv_heads_only_where_they_fit(monkeypatch):
 
 
 def test_pool_shares_follow_the_decode_sequences():
-    """Each sequence's end in the pool is the running sum of ``q_len * seq_len`` over the
-    decode class (queries of up to ``decode_max_q``); a longer query takes no share."""
+    """Each sequence's end in the pool is the running sum of ``q_len`` rows of ``seq_len``
+    rounded up to 8 over the decode class (queries of up to ``decode_max_q``); a longer
+    query takes no share."""
     step = Step([1, 2, 5, 1, 3], [7, 20, 23, 40, 61], seed=9)
     ends = triton_attention._pool_ends(step.meta, 4).cpu().tolist()
-    assert ends == [7, 47, 47, 87, 270]
-    assert triton_attention._pool_size(step.meta, 4) == 270
+    assert ends == [8, 56, 56, 96, 288]
+    assert triton_attention._pool_size(step.meta, 4) == 288
     assert triton_attention._pool_ends(step.meta, 4) is triton_attention._pool_ends(step.meta, 4)
 
 
 def test_each_sequence_keeps_its_scores_in_its_own_share(monkeypatch):
     """The pool after a launch, read back: sequence ``s``'s share starts at its running
-    end minus ``q_len * seq_len`` (times the heads), then KV head, tile row (query,
-    head) and key, each row ``seq_len`` keys long, holding eager attention's rounded
-    scores (-inf where a query does not see the key).  The shares tile the pool with no
-    gap and no overlap, so every element is written once, by its own sequence."""
+    end minus ``q_len`` rows (times the heads), then KV head, tile row (query, head) and
+    key, each row ``seq_len`` keys rounded up to 8 long, holding eager attention's
+    rounded scores (-inf where a query does not see the key) and nothing past its keys.
+    The shares tile the pool with no gap and no overlap, so every key's element is
+    written once, by its own sequence."""
     step = Step([1, 2, 1], [7, 20, 23], seed=11)
     pools = []
     real_empty = torch.empty
@@ -305,12 +381,13 @@ def test_each_sequence_keeps_its_scores_in_its_own_share(monkeypatch):
     (pool,) = pools
     pool = pool.cpu().double()
     heads = KV_HEADS * GROUP
-    assert pool.numel() == (1 * 7 + 2 * 20 + 1 * 23) * heads
+    assert pool.numel() == (1 * 8 + 2 * 24 + 1 * 24) * heads
     end = 0
     for q_len, s, k, q in zip(
         step.q_lens, step.seq_lens, step.keys, step.q.split(step.q_lens), strict=True
     ):
-        share = q_len * s
+        row = -(-s // 8) * 8
+        share = q_len * row
         end += share
         scores = q.double().transpose(0, 1) @ k.double().permute(1, 2, 0).repeat_interleave(
             GROUP, 0
@@ -320,9 +397,10 @@ def test_each_sequence_keeps_its_scores_in_its_own_share(monkeypatch):
         scores = scores.double().masked_fill(hidden, float("-inf"))  # [heads, q, keys]
         for kv_head in range(KV_HEADS):
             base = (end - share) * heads + kv_head * GROUP * share
-            got = pool[base : base + GROUP * share].view(q_len, GROUP, s)  # row = query, head
+            got = pool[base : base + GROUP * share].view(q_len, GROUP, row)  # query, head
             group = scores[kv_head * GROUP : (kv_head + 1) * GROUP].transpose(0, 1)
-            assert torch.equal(got, group), (s, kv_head)
+            assert torch.equal(got[..., :s], group), (s, kv_head)
+            assert got[..., s:].isnan().all(), (s, kv_head)
     assert end * heads == pool.numel()
 
 
