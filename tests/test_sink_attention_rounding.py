@@ -330,13 +330,15 @@ def test_the_reciprocal_share_rounds_as_ieee_division():
 
 
 def test_decode_tiles_pack_kv_heads_only_where_they_fit(monkeypatch):
-    """Sinks' decode tiles pack KV heads up to ``SINK_DECODE_PACK`` and the 16 rows; the
-    launch takes fewer where the heads do not divide, or under key splits, or with heads
-    apart in the cache."""
+    """Sinks' decode tiles pack KV heads up to ``SINK_DECODE_PACK`` and the 16 rows, but for
+    a window layer's one tile; the launch takes fewer where the heads do not divide, or
+    under key splits, or with heads apart in the cache."""
     monkeypatch.setattr(triton_attention, "SINK_DECODE_PACK", 4)
     cfg = triton_attention._tile_configs(8, 64, True, 256 * 8, 132)[0]  # gpt-oss-20b
     assert cfg.pack == 2 and cfg.block_m == 16
     assert triton_attention._tile_configs(8, 128, False, 256 * 4, 132)[0].pack == 1
+    # A window layer's one tile stays unpacked (its registers).
+    assert triton_attention._tile_configs(8, 64, True, 256 * 8, 132, one_tile=True)[0].pack == 1
     monkeypatch.setattr(triton_attention, "SINK_DECODE_PACK", 1)
     assert triton_attention._tile_configs(8, 64, True, 256 * 8, 132)[0].pack == 1
     cache = torch.empty(4, BLOCK, 6, HEAD_DIM)

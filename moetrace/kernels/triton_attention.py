@@ -928,10 +928,18 @@ SWEPT_TILE_PROGRAMS_PER_SM = 4
 
 
 def _tile_configs(
-    group: int, head_dim: int, sinks: bool, decode_programs: int, num_sms: int
+    group: int,
+    head_dim: int,
+    sinks: bool,
+    decode_programs: int,
+    num_sms: int,
+    one_tile: bool = False,
 ) -> tuple[TileConfig, TileConfig]:
     """(decode, prefill) tiles; ``decode_programs`` is the decode launch's grid (sequences x
-    KV heads x key splits).
+    KV heads x key splits); ``one_tile``: the decode rows take a window layer's one tile
+    (``_one_tile_keys``), which packs no KV heads: packed, it compiles to 149-151
+    registers a thread (three programs a multiprocessor; its fastest variant measured ran
+    six).
 
     Decode: the fewest rows a tensor-core dot takes (16) or one query's group
     of heads.  Prefill: 64 rows.  From benchmarks/kernels.py on an H200: decode
@@ -950,7 +958,8 @@ def _tile_configs(
     41.6 at context 1,024; batch 32 at 4,096 keys 118.6 against 87.8).
     """
     decode = TileConfig(max(16, triton.next_power_of_2(group)), 64, 4, 2)
-    if sinks and group < decode.block_m and head_dim == triton.next_power_of_2(head_dim):
+    pow2_heads = head_dim == triton.next_power_of_2(head_dim)
+    if sinks and not one_tile and group < decode.block_m and pow2_heads:
         pack = min(SINK_DECODE_PACK, decode.block_m // triton.next_power_of_2(group))
         decode = decode._replace(pack=pack)
     past_one_wave = decode_programs > SWEPT_TILE_PROGRAMS_PER_SM * num_sms
@@ -1010,13 +1019,9 @@ def _launch_class(
     head_programs = num_kv_heads // pack * splits
     grid = (head_programs, programs) if heads_fast else (programs, head_programs)
     use_window = sliding_window is not None and sliding_window > 0
-    # A window layer's decode rows see at most `window` keys: with sinks, one tile that
-    # holds them all replaces the three passes (H200, gpt-oss-20b: docs/benchmarks.md).
-    one_tile = 0
-    if sinks is not None and decode and splits == 1 and use_window and sliding_window <= 128:
-        one_tile = max(16, triton.next_power_of_2(int(sliding_window)))
-        if cfg.maxnreg is None and SINK_WINDOW_MAXNREG:
-            cfg = cfg._replace(maxnreg=SINK_WINDOW_MAXNREG)
+    one_tile = _one_tile_keys(sinks is not None, decode, splits, sliding_window)
+    if one_tile and cfg.maxnreg is None and SINK_WINDOW_MAXNREG:
+        cfg = cfg._replace(maxnreg=SINK_WINDOW_MAXNREG)
     # Rows that one tile holds never need it (a window layer's single-query rows).
     pool = sinks is not None and decode and splits == 1 and not one_tile
     pool_size = _pool_size(meta, decode_max_q) if pool else 0
@@ -1105,6 +1110,16 @@ def _launch_class(
             BLOCK_D=block_d,
             num_warps=4 if block_d >= 128 else 2,
         )
+
+
+def _one_tile_keys(sinks: bool, decode: bool, splits: int, sliding_window: int | None) -> int:
+    """Keys of the one tile that a window layer's decode rows with sinks take (0: none).
+
+    They see at most ``window`` keys: one tile that holds them all replaces the
+    three passes (H200, gpt-oss-20b: docs/benchmarks.md)."""
+    if sinks and decode and splits == 1 and sliding_window and 0 < sliding_window <= 128:
+        return max(16, triton.next_power_of_2(int(sliding_window)))
+    return 0
 
 
 def _heads_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -1200,6 +1215,7 @@ def paged_attention(
     decode_cfg, prefill_cfg = _tile_configs(
         num_heads // num_kv_heads, head_dim, sinks is not None,
         num_seqs * num_kv_heads * splits, _num_sms(q.device),
+        one_tile=bool(_one_tile_keys(sinks is not None, True, splits, sliding_window)),
     )  # fmt: skip
     decode_cfg = decode_cfg._replace(pack=_fitting_pack(decode_cfg.pack, splits, k_cache, v_cache))
     longest = decode_max_q(decode_cfg.block_m, num_heads // num_kv_heads, splits, decode_cfg.pack)
