@@ -1,7 +1,7 @@
 """Decode-step kernels timed in steady state: many calls chained in one CUDA graph.
 
     python benchmarks/steady_state.py [align] [attention] [splits] [sinks] [gemms] [splitk] [streams]
-        [regs] [regs-batches] [sink-tiles] [qwen3-stages] [warm]
+        [regs] [regs-batches] [sink-tiles] [sink-softmax] [qwen3-stages] [warm]
 
 ``align``: ``align_routing`` at T=256 and 8192 for the OLMoE-1B-7B, Qwen3-30B-A3B
 and DeepSeek-V2-Lite routings, the planning kernel on 1 to 16 programs.
@@ -39,6 +39,9 @@ to 4,096, the tile ``_tile_configs`` picks against the capped 32-key tile at any
 ``sink-tiles``: gpt-oss-20b's decode attention (full layers at contexts 320, 1,024 and
 4,096, window layers at 320) on decode tiles of 32 or 64 keys, 4 or 8 warps, 2-3 stages,
 register caps, and one or two KV heads a program.
+``sink-softmax``: the same four cases with the sinks' softmax the default way, by each
+row's reciprocal (``SINK_RECIPROCAL``) and with the exponentials kept in a float32 pool
+as well (``SINK_KEEP_EXPS``), on one and on two KV heads a program.
 ``qwen3-stages``: Qwen3-30B-A3B's decode attention at batch 256 on the capped 32-key
 tile with 2-4 stages, and on 16-key tiles: whether more loads in flight shorten it.
 ``warm``: whether L2 keeps what a kernel read for the kernel after it (a buffer of
@@ -110,18 +113,22 @@ def _attention_calls(shape, ctx: int, batch: int = 256) -> tuple[list, float]:
     return calls, kv_bytes / projection_gemms.HBM_BYTES_S * 1e6
 
 
-def _attention_variants(section: str, cases, name: str, variants: dict) -> None:
+def _attention_variants(section: str, cases, name: str | tuple, variants: dict) -> None:
     """Decode attention at each ``(shape name, context[, batch])`` of ``cases`` (batch 256
     unless given), chained once per variant: ``triton_attention.<name>`` set to each value
-    of ``variants`` (label: value), restored afterwards."""
-    default = getattr(triton_attention, name)
+    of ``variants`` (label: value; several names take a tuple of values), restored
+    afterwards."""
+    names = name if isinstance(name, tuple) else (name,)
+    defaults = {n: getattr(triton_attention, n) for n in names}
     try:
         for shape_name, ctx, *batch in cases:
             batch = batch[0] if batch else 256
             calls, bound = _attention_calls(attention_tiles.SHAPES[shape_name], ctx, batch)
             row = []
             for label, value in variants.items():
-                setattr(triton_attention, name, value)
+                values = value if isinstance(name, tuple) else (value,)
+                for n, v in zip(names, values, strict=True):
+                    setattr(triton_attention, n, v)
                 row.append(f"{label} {graph_replay.chained_us(calls):6.1f}")
             print(
                 f"{section} {shape_name:15s} B {batch:3d} ctx {ctx:5d} (bound {bound:6.1f} us): "
@@ -129,7 +136,8 @@ def _attention_variants(section: str, cases, name: str, variants: dict) -> None:
                 flush=True,
             )
     finally:
-        setattr(triton_attention, name, default)
+        for n, v in defaults.items():
+            setattr(triton_attention, n, v)
 
 
 def splits() -> None:
@@ -142,7 +150,7 @@ def _decode_tile(tile: triton_attention.TileConfig):
     """A stand-in for ``_tile_configs`` that decodes on ``tile`` and keeps the prefill tile
     the real one picks (taken now, before ``_attention_variants`` swaps it out)."""
     default = triton_attention._tile_configs
-    return lambda *shape: (tile, default(*shape)[1])
+    return lambda *shape, **kinds: (tile, default(*shape, **kinds)[1])
 
 
 def _decode_tiles(tiles) -> dict:
@@ -197,6 +205,21 @@ def sink_tiles() -> None:
         (32, 4, 2, 64, 2),
     ]  # fmt: skip
     _attention_variants("sink-tiles", cases, "_tile_configs", _decode_tiles(tiles))
+
+
+def sink_softmax() -> None:
+    """gpt-oss-20b's decode attention at batch 256 with the sinks' softmax done the
+    default way and the faster ways (``SINK_RECIPROCAL``, ``SINK_KEEP_EXPS``), on one KV
+    head a program and on two: the same bits, fewer instructions, some more bytes."""
+    cases = [("gpt-oss", ctx) for ctx in (320, 1024, 4096)] + [("gpt-oss-window", 320)]
+    names = ("_tile_configs", "SINK_RECIPROCAL", "SINK_KEEP_EXPS")
+    variants = {}
+    for pack in (1, 2):
+        (tile,) = _decode_tiles([(64, 4, 2, None, pack)]).values()
+        for label, reciprocal, keep in (("", False, False), (" rcp", True, False),
+                                        (" rcp+keep", True, True)):  # fmt: skip
+            variants[f"p{pack}{label}"] = (tile, reciprocal, keep)
+    _attention_variants("sink-softmax", cases, names, variants)
 
 
 def qwen3_stages() -> None:
@@ -440,7 +463,7 @@ def main() -> None:
         "align": align, "attention": attention, "splits": splits, "sinks": sinks,
         "gemms": gemms, "splitk": splitk, "streams": streams, "warm": warm,
         "regs": regs, "regs-batches": regs_batches, "sink-tiles": sink_tiles,
-        "qwen3-stages": qwen3_stages,
+        "sink-softmax": sink_softmax, "qwen3-stages": qwen3_stages,
     }  # fmt: skip
     for name in sys.argv[1:] or list(sections):
         if name not in sections:
