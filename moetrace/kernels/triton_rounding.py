@@ -5,23 +5,42 @@ eager modules) rounds every intermediate tensor to the model dtype.  Where
 those roundings decide results (gpt-oss's attention scores, its SwiGLU),
 kernels round the float32 value here and keep computing in float32.
 
-The rounding works on the bits: compiled for the H200, a cast down and back up
-(``v.to(bf16).to(fp32)``) was folded away, so nothing was rounded; integer
-operations are never folded.
+Compiled for the H200, a cast down and back up (``v.to(bf16).to(fp32)``) was
+folded away, so nothing was rounded.  The bfloat16 rounding is therefore the
+conversion instruction as inline assembly, which nothing folds (two
+instructions an element, ``tests/test_rounding_compiled.py``); the interpreter
+runs no assembly, and there it works on the bits, as the float16 rounding does
+everywhere.  Both give torch's casts bit for bit (``tests/test_triton_rounding.py``).
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# The interpreter runs no assembly: there the rounding works on the bits.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def round_to_bf16(v):
     """float32 to the nearest bfloat16 (ties to even), kept in float32."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
+    if _INTERPRETED:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        out = bits.to(tl.float32, bitcast=True)
+    else:
+        out = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $1, $1; and.b32 $0, t, 0xffff0000; }",
+            constraints="=r,r",
+            args=[v],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    return out
 
 
 @triton.jit
