@@ -104,12 +104,13 @@ def test_qwen3_decode_attention_fits_one_wave_at_batch_256():
 
 
 def test_the_check_tells_the_uncapped_tile_apart():
-    """The same kernel on the 64-key tile without a cap (the tile before) fits four, so the
-    check above is not true of any tile."""
+    """The same kernel on the 64-key tile without a cap (the tile before) fits fewer than
+    eight (four when the cap was chosen, five since the block arithmetic went unsigned),
+    so the check above is not true of any tile."""
     capped = triton_attention._tile_configs(8, 128, False, 256 * 4, 132)[0]
     wide, compiled = compile_decode(8, 128, capped._replace(block_n=64, maxnreg=None))
     registers, _ = ptxas_usage(compiled)
-    assert resident_programs(registers, 32 * wide.num_warps, compiled.metadata.shared) == 4
+    assert resident_programs(registers, 32 * wide.num_warps, compiled.metadata.shared) < 8
 
 
 def loop_instructions(compiled) -> int:
