@@ -274,6 +274,8 @@ def test_the_faster_softmax_gives_the_division_bits(
     division and of the exponentials computed again, on the one tile, the pool, the
     passes and the prefill class (the two- and three-query rows)."""
     monkeypatch.setattr(triton_attention, "SINK_SCORES_POOL", pool)
+    monkeypatch.setattr(triton_attention, "SINK_RECIPROCAL", False)
+    monkeypatch.setattr(triton_attention, "SINK_KEEP_EXPS", False)
     step = Step([1, 2, 1, 1, 3, 1], [7, 20, 23, 40, 61, 33], seed=12)
     plain = step.kernel(window, splits=1, pack=pack)
     monkeypatch.setattr(triton_attention, "SINK_RECIPROCAL", reciprocal)
@@ -287,6 +289,7 @@ def test_the_faster_softmax_gives_the_division_bits(
 def test_a_split_decode_divides_by_the_reciprocal_alike(monkeypatch):
     """Key splits weigh their keys by the whole row's probabilities, divided the same way."""
     step = Step(*DECODE, seed=4)
+    monkeypatch.setattr(triton_attention, "SINK_RECIPROCAL", False)
     plain = step.kernel(None, splits=2)
     monkeypatch.setattr(triton_attention, "SINK_RECIPROCAL", True)
     faster = step.kernel(None, splits=2)

@@ -921,15 +921,16 @@ SINK_DECODE_PACK = int(os.environ.get("MOETRACE_SINK_DECODE_PACK", "1"))
 # layers from 28.9 to 26.4 µs; the whole step has not been timed with it, so it is off
 # unless ``MOETRACE_SINK_WINDOW_MAXNREG`` sets it.
 SINK_WINDOW_MAXNREG = int(os.environ.get("MOETRACE_SINK_WINDOW_MAXNREG", "0"))
-# The sinks' softmax, the same bits either way (``_share``, ``_scratch_passes``): each
-# probability from its row's reciprocal and one FMA correction instead of an IEEE
-# division, and the scores pool in float32 with the exponentials kept between its last
-# two loops.  Compiled for sm_90a, the packed tile's pool loops take 18% fewer
-# instructions with both (its values loop 39% fewer), the one-head tile's 9% fewer with
-# the reciprocal (docs/benchmarks.md).  Not yet timed on the H200, so off unless
-# ``MOETRACE_SINK_RECIPROCAL=1`` / ``MOETRACE_SINK_KEEP_EXPS=1`` turn them on (the kept
-# exponentials double the pool's bytes).
-SINK_RECIPROCAL = os.environ.get("MOETRACE_SINK_RECIPROCAL") == "1"
+# The sinks' softmax, the same bits either way (``_share``, ``_scratch_passes``).
+# ``SINK_RECIPROCAL``: each probability from its row's reciprocal and one FMA correction
+# instead of an IEEE division.  Compiled for sm_90a it takes the default decode tile's
+# pool loops from 758 to 681 instructions and its registers from 72 to 64 (eight
+# programs a multiprocessor, not seven), so it is on; ``MOETRACE_SINK_RECIPROCAL=0``
+# divides, for timings beside it.  ``SINK_KEEP_EXPS``: the scores pool in float32 with the
+# exponentials kept between its last two loops (the packed tile's values loop 343 -> 237
+# instructions, the pool's bytes doubled); not yet timed on the H200, so off unless
+# ``MOETRACE_SINK_KEEP_EXPS=1`` (docs/benchmarks.md).
+SINK_RECIPROCAL = os.environ.get("MOETRACE_SINK_RECIPROCAL", "1") == "1"
 SINK_KEEP_EXPS = os.environ.get("MOETRACE_SINK_KEEP_EXPS") == "1"
 
 # Programs of the swept decode tile a multiprocessor held for Qwen3's shape when the rule
