@@ -10,6 +10,7 @@ the CPU wherever Triton is installed.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -17,7 +18,8 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the H200: the interpreter stands in for jit", allow_module_level=True)
 
-from h200_compile_helpers import FLOAT32_SCALARS, compile_h200, sixteen_bit_kind  # noqa: E402
+import triton.language as tl  # noqa: E402
+from h200_compile_helpers import FLOAT32_SCALARS, compile_h200, sass, sixteen_bit_kind  # noqa: E402
 
 from moetrace.kernels import triton_attention, triton_norm  # noqa: E402
 
@@ -40,17 +42,45 @@ def test_rms_norm_fuses_no_product_into_an_add(weight_in_float32):
 
 # The key passes; a window layer's one tile; scores kept in the pool.
 @pytest.mark.parametrize(("one_tile", "scores_pool"), [(0, False), (128, False), (0, True)])
-def test_sink_attention_divides_as_ieee(one_tile, scores_pool):
+@pytest.mark.parametrize("reciprocal", [False, True])
+def test_sink_attention_divides_as_ieee(one_tile, scores_pool, reciprocal):
     """Each probability is ``exp / sum`` correctly rounded, as torch's softmax divides,
-    not the approximate division Triton emits for ``/``."""
+    not the approximate division Triton emits for ``/``: an IEEE division, or (``reciprocal``)
+    the row's IEEE reciprocal and the fused multiply-adds of Markstein's correction."""
     constants = {
         "GROUP": 8, "BLOCK_Q": 2, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 64, "BLOCK_D": 64,
         "BLOCK_SIZE": 16, "NUM_SPLITS": 1, "DECODE_CLASS": True, "USE_WINDOW": True,
         "DOT_PRECISION": "tf32", "HAS_SINKS": True, "PRECISE_EXP": True, "ONE_TILE": one_tile,
-        "SCORES_POOL": scores_pool,
+        "SCORES_POOL": scores_pool, "RECIPROCAL": reciprocal,
     }  # fmt: skip
     code = ptx(triton_attention._paged_attention_kernel, constants, num_warps=4, num_stages=2)
     assert "div.rn.f32" in code
+    assert not re.search(r"div\.(full|approx)|rcp\.approx", code)
+    if reciprocal:
+        assert "fma.rn.f32" in code
+
+
+def test_bf16_rounding_is_a_conversion_and_a_mask_an_element():
+    """``round_to_bf16`` compiled is the conversion instruction (``cvt.rn.bf16x2.f32``, which
+    nothing folds, as the compiler folds a cast down and back up) and a mask: two
+    instructions an element where the bit arithmetic took five or six."""
+    from test_triton_rounding import _round_kernel
+
+    block, warps = 1024, 4
+    pointers = {"x_ptr": "*fp32", "out_ptr": "*fp32"}
+    compiled = compile_h200(
+        _round_kernel,
+        lambda name: pointers.get(name, "i32"),
+        {"DTYPE": tl.bfloat16, "BLOCK": block},
+        ["x_ptr", "out_ptr", "n"],
+        num_warps=warps,
+    )
+    ops = [i.lstrip("@!P0123456789T ").split()[0] for _, i in sass(compiled)]
+    per_thread = block // (32 * warps)
+    assert sum(op.startswith("F2FP.BF16") for op in ops) == per_thread
+    # One mask an element, and a couple of integer operations for the addresses.
+    integer = ("LOP3", "IADD3", "SHF", "SGXT", "IMAD.SHL", "IMAD.U32")
+    assert sum(op.startswith(integer) for op in ops) <= per_thread + 3
 
 
 def _ttgir_and_ptx(fn, pointers: dict, constants: dict, num_warps: int) -> tuple[str, str]:
@@ -68,8 +98,6 @@ def _ttgir_and_ptx(fn, pointers: dict, constants: dict, num_warps: int) -> tuple
 
 def _reduce_layouts(ttgir: str) -> set[str]:
     """The layouts the kernel's reductions run over (the order of a sum follows the layout)."""
-    import re
-
     aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
     found = re.findall(r'"tt\.reduce"\(%[^)]*\).*?\}\) : \(tensor<\w+, (#\w+)>', ttgir, re.S)
     return {aliases[a] for a in found}
