@@ -504,7 +504,9 @@ def _scratch_passes(
         )
         total = total + tl.sum(e, 1)
         if KEEP_EXPS:
-            # Over the very scores just read, by the threads that read them (one layout).
+            # Over the very scores just read, once every thread has read them: Triton may
+            # lay the store out apart from the load, so other threads write them.
+            tl.debug_barrier()
             keep = row_ok[:, None] & (j < hi)[None, :]
             tl.store(scores_row[:, None] + (j - lo)[None, :], e, mask=keep)
     if KEEP_EXPS:
