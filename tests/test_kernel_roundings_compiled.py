@@ -147,3 +147,84 @@ def test_fused_norm_kernels_reduce_as_rms_norm_and_fuse_no_fma(block, warps):
         assert _reduce_layouts(head_ir) == want
         ptxs.append(head_ptx)
     assert all("fma.rn.f32" not in ptx for ptx in ptxs)
+
+
+def _build_cases():
+    """Every kernel that rounds to bfloat16 and no other test builds, as a launch types it."""
+    from moetrace.kernels import triton_moe, triton_routing
+
+    tables = ("block_expert_ids_ptr", "num_rows_padded_ptr", "block_slots_ptr", "block_rows_ptr")
+    int32 = {
+        n: "*i32" for n in ("sorted_pair_ids_ptr", "ids_ptr", "work_ptr", "table_ptr", *tables)
+    }
+    int32.update({f"loaded_{n.split('_', 1)[1]}": "*i32" for n in tables})
+    floats = {"weights_f32_ptr": "*fp32", "topk_weights_ptr": "*fp32", "s_ptr": "*u8"}
+    experts = dict(
+        HAS_BIAS=True, MXFP4=False, MX_NATIVE=False, A_FORMAT="bf16", BLOCK_M=32, BLOCK_N=64,
+        BLOCK_K=64, GROUP_M=8, EVEN_K=True, PAIR_TABLE=True,
+    )  # fmt: skip
+    sinks = {
+        "GROUP": 8, "BLOCK_Q": 8, "BLOCK_M": 64, "BLOCK_N": 64, "HEAD_DIM": 64, "BLOCK_D": 64,
+        "BLOCK_SIZE": 16, "NUM_SPLITS": 1, "DECODE_CLASS": False, "USE_WINDOW": True,
+        "DOT_PRECISION": "tf32", "HAS_SINKS": True, "PRECISE_EXP": True,
+    }  # fmt: skip
+    split = {**sinks, "DECODE_CLASS": True, "NUM_SPLITS": 2, "BLOCK_M": 16, "BLOCK_Q": 1}
+    return {
+        "routing": (
+            triton_routing._route_kernel,
+            {**int32, **floats, "capture_ptr": "*i16"},
+            dict(
+                TOP_K=8,
+                K_P2=8,
+                EXPERTS_P2=128,
+                ROWS=1,
+                SCORING=0,
+                RENORMALIZE=True,
+                SCALE=False,
+                CAPTURE=True,
+                CAPTURE_WEIGHTS=True,
+                LIBDEVICE=True,
+                WARP=32,
+                K_WARP=8,
+                ALIGN=True,
+                BLOCK_M=32,
+            ),  # fmt: skip
+            1,
+        ),
+        "experts gate/up (gpt-oss, bf16)": (
+            triton_moe._gate_up_kernel,
+            {**int32, **floats},
+            dict(TOP_K=4, ACTIVATION="clamped_swiglu", INTERLEAVED=True, **experts),
+            4,
+        ),
+        "experts down (bias)": (triton_moe._down_kernel, {**int32, **floats}, experts, 4),
+        "rotary": (
+            triton_norm._rotary_kernel,
+            {"cos_ptr": "*fp32", "sin_ptr": "*fp32"},
+            dict(HALF=64, BLOCK_H=32, BLOCK_HALF=64),
+            4,
+        ),
+        "attention prefill, sinks": (triton_attention._paged_attention_kernel, None, sinks, 4),
+        "attention split decode, sinks": (triton_attention._paged_attention_kernel, None, split, 4),
+    }
+
+
+@pytest.mark.parametrize("case", list(_build_cases()))
+def test_every_kernel_that_rounds_builds_with_the_conversion(case):
+    """The rounding's inline assembly builds inside each kernel that rounds to bfloat16 (the
+    interpreter never runs it, so only a build shows a kernel that would not compile).
+    Pointers are bf16 but where named (``None``: the attention kernel's own types)."""
+    fn, pointers, constants, warps = _build_cases()[case]
+    float32 = FLOAT32_SCALARS | {"scaling", "swiglu_alpha", "swiglu_limit"}
+
+    def kind(name: str) -> str:
+        if pointers is None:
+            return sixteen_bit_kind(name)
+        if name in pointers:
+            return pointers[name]
+        if name.endswith("_ptr"):
+            return "*bf16"
+        return "fp32" if name in float32 else "i32"
+
+    compiled = compile_h200(fn, kind, constants, num_warps=warps, num_stages=2)
+    assert "cvt.rn.bf16x2.f32" in compiled.asm["ptx"]
