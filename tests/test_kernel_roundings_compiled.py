@@ -169,26 +169,16 @@ def _build_cases():
         "DOT_PRECISION": "tf32", "HAS_SINKS": True, "PRECISE_EXP": True,
     }  # fmt: skip
     split = {**sinks, "DECODE_CLASS": True, "NUM_SPLITS": 2, "BLOCK_M": 16, "BLOCK_Q": 1}
+    routing = dict(
+        TOP_K=8, K_P2=8, EXPERTS_P2=128, ROWS=1, SCORING=0, RENORMALIZE=True, SCALE=False,
+        CAPTURE=True, CAPTURE_WEIGHTS=True, LIBDEVICE=True, WARP=32, K_WARP=8, ALIGN=True,
+        BLOCK_M=32,
+    )  # fmt: skip
     return {
         "routing": (
             triton_routing._route_kernel,
             {**int32, **floats, "capture_ptr": "*i16"},
-            dict(
-                TOP_K=8,
-                K_P2=8,
-                EXPERTS_P2=128,
-                ROWS=1,
-                SCORING=0,
-                RENORMALIZE=True,
-                SCALE=False,
-                CAPTURE=True,
-                CAPTURE_WEIGHTS=True,
-                LIBDEVICE=True,
-                WARP=32,
-                K_WARP=8,
-                ALIGN=True,
-                BLOCK_M=32,
-            ),  # fmt: skip
+            routing,
             1,
         ),
         "experts gate/up (gpt-oss, bf16)": (
