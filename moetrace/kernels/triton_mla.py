@@ -42,10 +42,11 @@ import triton.language as tl
 from moetrace.forward_context import AttentionMetadata
 
 # Shared with the paged-attention kernels: where Triton runs, the SM count, the device-side
-# block-table stride, the flattened-tile search and the merge of split-K partials (the same
-# per-sequence layout).
+# block-table stride, a key's block and slot, the flattened-tile search and the merge of
+# split-K partials (the same per-sequence layout).
 from moetrace.kernels.triton_attention import (
     _LOG2E,
+    _block_and_slot,
     _block_table_stride,
     _combine_kernel,
     _find_seq,
@@ -182,8 +183,9 @@ def _attend_rows(
         if EXPANDED:
             row = (kv_base + j).to(tl.int64)
         else:
-            blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-            row = blk * BLOCK_SIZE + j % BLOCK_SIZE
+            table_idx, slot = _block_and_slot(j, BLOCK_SIZE)
+            blk = tl.load(bt_row + table_idx, mask=j_ok, other=0).to(tl.int64)
+            row = blk * BLOCK_SIZE + slot
         k1 = tl.load(
             k1_ptr + row[:, None] * stride_k1 + d1[None, :],
             mask=j_ok[:, None] & (d1 < D1)[None, :],
