@@ -405,10 +405,10 @@ def absorbed_configs(
     Decode: one query x up to 16 heads per tile (the fewest rows a tensor-core
     dot takes; its float32 accumulator is 16 x 512), keys split by
     ``decode_splits``.  Prefill: 2 queries x 16 heads on 8 warps.  Compiled
-    for sm_90 in 16-bit these take 255 registers on 4 warps with 16-160 bytes
-    of stack (decode) and 213 on 8 warps with none (4 queries, or 64 keys per
-    step, spill 0.3-3.5 KB); their speed is benchmarks/mla_kernels.py's to
-    measure.
+    for sm_90a in 16-bit by Triton 3.6 these take 197-198 registers on 4 warps
+    (decode) and 180 on 8 warps (prefill), none spilled (an earlier build took
+    255 with 16-160 bytes of stack for decode; 4 queries, or 64 keys per step,
+    spilled 0.3-3.5 KB); their speed is benchmarks/mla_kernels.py's to measure.
     """
     block_h = min(16, triton.next_power_of_2(num_heads))
     splits = decode_splits(num_seqs, triton.cdiv(num_heads, block_h), device)
