@@ -200,7 +200,8 @@ def sink_tiles() -> None:
     stages, register cap and KV heads a program."""
     cases = [("gpt-oss", ctx) for ctx in (320, 1024, 4096)] + [("gpt-oss-window", 320)]
     tiles = [
-        (64, 4, 2, None, 1), (64, 4, 2, 80, 1), (64, 4, 2, None, 2), (32, 4, 2, None, 2),
+        (64, 4, 2, None, 1), (64, 4, 2, 80, 1), (64, 4, 2, 72, 1), (64, 4, 2, 64, 1),
+        (64, 4, 2, None, 2), (32, 4, 2, None, 2),
         (32, 4, 3, None, 2), (32, 8, 2, None, 2), (64, 8, 2, None, 2), (64, 4, 2, 96, 2),
         (32, 4, 2, 64, 2),
     ]  # fmt: skip
