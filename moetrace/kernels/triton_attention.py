@@ -459,6 +459,15 @@ def _kept(scores_row, row_ok, j, lo, hi, other: tl.constexpr):
 
 
 @triton.jit
+def _kept_exps(scores_row, row_ok, j, lo, hi, m, dtype: tl.constexpr, PRECISE_EXP: tl.constexpr):
+    """``exp(round(score - m))`` of the scores ``_scratch_passes`` kept for keys ``j``, as
+    eager attention's softmax takes them (0 from ``hi``): its sum's loop and values' loop
+    compute the same."""
+    s = _kept(scores_row, row_ok, j, lo, hi, float("-inf"))
+    return _exp(round_to(s - m[:, None], dtype), PRECISE_EXP)
+
+
+@triton.jit
 def _scratch_passes(
     q, sink, lo, hi, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_head, window, scale, d, d_ok,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scores_row, row_ok,
@@ -498,10 +507,7 @@ def _scratch_passes(
     total = tl.zeros_like(m)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
-        e = _exp(
-            round_to(_kept(scores_row, row_ok, j, lo, hi, float("-inf")) - m[:, None], q.dtype),
-            PRECISE_EXP,
-        )
+        e = _kept_exps(scores_row, row_ok, j, lo, hi, m, q.dtype, PRECISE_EXP)
         total = total + tl.sum(e, 1)
         if KEEP_EXPS:
             # Over the very scores just read, once every thread has read them: Triton may
@@ -519,10 +525,7 @@ def _scratch_passes(
         if KEEP_EXPS:
             e = _kept(scores_row, row_ok, j, lo, hi, 0.0)
         else:
-            e = _exp(
-                round_to(_kept(scores_row, row_ok, j, lo, hi, float("-inf")) - m[:, None], q.dtype),
-                PRECISE_EXP,
-            )
+            e = _kept_exps(scores_row, row_ok, j, lo, hi, m, q.dtype, PRECISE_EXP)
         p = _share(e, total, inv, RECIPROCAL, PRECISE_EXP)
         v = _cache_tile(
             v_cache_ptr, bt_row, j, j < hi, kv_head, d, d_ok, stride_vb, stride_vs, stride_vh,
