@@ -97,6 +97,11 @@ def sass(compiled) -> list[tuple[int, str]]:
     return [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
 
 
+def opcode(instruction: str) -> str:
+    """A SASS instruction's opcode, without its predicate (``@P0``, ``@!UP1``, ``@PT``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
 def sass_loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
     """Each loop of ``sass(...)`` as (first, last) address: the ranges of backward branches,
     in the order their branches come."""

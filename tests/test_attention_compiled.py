@@ -22,6 +22,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from h200_compile_helpers import (  # noqa: E402
     compile_h200,
+    opcode,
     ptxas_notes,
     sass,
     sass_loops,
@@ -113,9 +114,11 @@ def test_the_check_tells_the_uncapped_tile_apart():
     assert resident_programs(registers, 32 * wide.num_warps, compiled.metadata.shared) < 8
 
 
-def loop_instructions(compiled) -> int:
-    """Instructions in the kernel's loops (16 bytes each): one pass of each over a key tile."""
-    return sum((last - first) // 16 + 1 for first, last in sass_loops(sass(compiled)))
+def loop_instructions(compiled, first_loops: int | None = None) -> int:
+    """Instructions in the kernel's loops (16 bytes each), or in its ``first_loops``: one pass
+    of each over a key tile."""
+    loops = sass_loops(sass(compiled))[:first_loops]
+    return sum((last - first) // 16 + 1 for first, last in loops)
 
 
 def test_packed_kv_heads_cut_the_sink_loops_per_head():
@@ -144,14 +147,14 @@ def loop_ops(compiled, op: str) -> int:
         1
         for first, last in sass_loops(ins)
         for addr, i in ins
-        if first <= addr <= last and i.lstrip("@!P0123456789T ").startswith(op)
+        if first <= addr <= last and opcode(i).startswith(op)
     )
 
 
 def pool_loop_instructions(compiled) -> int:
     """Instructions in the scores pool's three key loops: the pool's branch comes first in
     the kernel, and its loops first in the code."""
-    return sum((last - first) // 16 + 1 for first, last in sass_loops(sass(compiled))[:3])
+    return loop_instructions(compiled, first_loops=3)
 
 
 def test_the_faster_sink_softmax_leaves_its_loops_no_division_and_one_exp_fewer():

@@ -19,7 +19,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the H200: the interpreter stands in for jit", allow_module_level=True)
 
 import triton.language as tl  # noqa: E402
-from h200_compile_helpers import FLOAT32_SCALARS, compile_h200, sass, sixteen_bit_kind  # noqa: E402
+from h200_compile_helpers import (  # noqa: E402
+    FLOAT32_SCALARS,
+    compile_h200,
+    opcode,
+    sass,
+    sixteen_bit_kind,
+)
 
 from moetrace.kernels import triton_attention, triton_norm  # noqa: E402
 
@@ -75,7 +81,7 @@ def test_bf16_rounding_is_a_conversion_and_a_mask_an_element():
         ["x_ptr", "out_ptr", "n"],
         num_warps=warps,
     )
-    ops = [i.lstrip("@!P0123456789T ").split()[0] for _, i in sass(compiled)]
+    ops = [opcode(i) for _, i in sass(compiled)]
     per_thread = block // (32 * warps)
     assert sum(op.startswith("F2FP.BF16") for op in ops) == per_thread
     # One mask an element, and a couple of integer operations for the addresses.

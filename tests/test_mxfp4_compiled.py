@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the H200: the interpreter stands in for jit", allow_module_level=True)
 
-from h200_compile_helpers import compile_h200, ptxas_notes, sass, sass_loops  # noqa: E402
+from h200_compile_helpers import compile_h200, opcode, ptxas_notes, sass, sass_loops  # noqa: E402
 
 from moetrace.kernels import triton_moe  # noqa: E402
 
@@ -79,7 +79,7 @@ def sass_loop(compiled) -> list[str]:
     """Opcodes of the longest backward-branch range of the SASS: the K loop."""
     ins = sass(compiled)
     lo, hi = max(sass_loops(ins), key=lambda r: r[1] - r[0])
-    return [re.sub(r"^@!?U?P\w+\s+", "", i).split()[0] for a, i in ins if lo <= a <= hi]
+    return [opcode(i) for a, i in ins if lo <= a <= hi]
 
 
 @pytest.fixture(scope="module", params=list(KERNELS))
