@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -87,7 +88,7 @@ def figures(result: dict, name: str) -> dict[str, float]:
     prof_off = r.get("decode_profile_no_capture") or {}
     hbm = result["env"]["hbm_bytes_per_s"]
     bytes_ = prof.get("weight_bytes", 0) + prof.get("kv_bytes", 0)
-    bound = bytes_ / hbm * 1e3 if bytes_ and hbm == hbm else nan
+    bound = bytes_ / hbm * 1e3 if bytes_ and not math.isnan(hbm) else nan
     step = prof.get("step_ms", nan)
     return {
         "tok_s": on,
