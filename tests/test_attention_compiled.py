@@ -102,6 +102,27 @@ def test_qwen3_decode_attention_fits_one_wave_at_batch_256():
     resident = resident_programs(registers, 32 * cfg.num_warps, shared)
     assert resident * 132 >= 256 * 4, (registers, shared, resident)
     assert spills <= SPILL_BYTES_ALLOWED, f"{spills} bytes spilled"
+    assert local_accesses_in_loops(compiled) == 0
+
+
+def local_accesses_in_loops(compiled) -> int:
+    """Spill loads and stores (``LDL``, ``STL``) inside the kernel's loops: a spill is cheap
+    only where it is outside the key loop, paid once a program rather than once a tile."""
+    ins = sass(compiled)
+    return sum(
+        opcode(i).startswith(("LDL", "STL"))
+        for first, last in sass_loops(ins)
+        for address, i in ins
+        if first <= address <= last
+    )
+
+
+def test_the_loop_check_tells_spills_in_the_loop():
+    """Eight registers fewer than the tile's cap, and the spills reach the key loop (seven
+    local accesses a tile compiled with Triton 3.6): the check above can fail."""
+    capped = triton_attention._tile_configs(8, 128, False, 256 * 4, 132)[0]
+    _, compiled = compile_decode(8, 128, capped._replace(maxnreg=capped.maxnreg - 8))
+    assert local_accesses_in_loops(compiled) > 0
 
 
 def test_the_check_tells_the_uncapped_tile_apart():
