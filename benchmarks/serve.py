@@ -73,7 +73,7 @@ def _time_steps(steps: list[tuple]) -> None:
 def _record_worker(model_dir: str, prompts: list[list[int]], args: dict, queue) -> None:
     """One process: a warm-up recording, then the measured one (what ``record`` runs)."""
     from moetrace.config import EngineConfig
-    from moetrace.recording import Recording, SamplingDefaults
+    from moetrace.runs.recording import Recording, SamplingDefaults
 
     steps: list[tuple] = []
     _time_steps(steps)

@@ -33,7 +33,7 @@ from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
 from moetrace.models.loader import load_model
-from moetrace.run_setup import model_metadata
+from moetrace.runs.setup import model_metadata
 from moetrace.trace.writer import TraceWriter
 
 sys.path.insert(0, str(Path(__file__).parent))

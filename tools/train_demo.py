@@ -39,7 +39,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from moetrace.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer  # noqa: E402
+from moetrace.inputs.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "moetrace" / "assets" / "demo"
 SOURCES = ("code", "prose", "tables")

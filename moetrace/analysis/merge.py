@@ -17,8 +17,8 @@ from pathlib import Path
 import h5py
 
 from moetrace.errors import MoetraceError
+from moetrace.inputs.shards import check_shard_set
 from moetrace.output_files import check_new_output, check_not_an_input, replacing
-from moetrace.prompt_shards import check_shard_set
 from moetrace.trace.lock import TraceLock
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace

@@ -47,7 +47,7 @@ def token_text(trace: Trace, tokenizer: str | None = None) -> TokenText:
                                 "the trace's tokenizer.json")  # fmt: skip
     path = tokenizer or trace.metadata.get("tokenizer") or ""
     if not path and trace.metadata.get("model") == "demo":
-        from moetrace.tokenizer import ByteTokenizer
+        from moetrace.inputs.tokenizer import ByteTokenizer
 
         byte = ByteTokenizer()
         return TokenText(_byte_decoder(byte), "demo byte tokenizer", byte.encode)

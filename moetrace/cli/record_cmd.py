@@ -16,7 +16,7 @@ from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
-    from moetrace.recording import Recording, RecordResult
+    from moetrace.runs.recording import Recording, RecordResult
     from moetrace.signals import GracefulStop
 
 
@@ -108,9 +108,9 @@ def record_command(
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
     from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
-    from moetrace.prompt_shards import check_shard_args
-    from moetrace.recording import Recording, SamplingDefaults
-    from moetrace.run_setup import (
+    from moetrace.inputs.shards import check_shard_args
+    from moetrace.runs.recording import Recording, SamplingDefaults
+    from moetrace.runs.setup import (
         check_supported,
         generation_defaults,
         model_with_revision,

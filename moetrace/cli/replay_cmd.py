@@ -18,7 +18,7 @@ from moetrace.cli.pipes import StdoutConsole
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a replay runs
-    from moetrace.replay import Replay, ReplayResult
+    from moetrace.runs.replay import Replay, ReplayResult
     from moetrace.signals import GracefulStop
 
 
@@ -71,8 +71,8 @@ def replay_command(
     Example: moetrace replay bf16.h5 ~/models/Qwen3-30B-A3B --dtype float32 -o fp32.h5
     """
     from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
-    from moetrace.replay import Replay
-    from moetrace.run_setup import model_with_revision
+    from moetrace.runs.replay import Replay
+    from moetrace.runs.setup import model_with_revision
     from moetrace.signals import GracefulStop
 
     model = model_with_revision(model, revision)

@@ -101,7 +101,7 @@ def serve_command(
         raise MoetraceError(
             f"moetrace serve needs {exc.name}: pip install 'moetrace[serve]'"
         ) from None
-    from moetrace.run_setup import check_supported
+    from moetrace.runs.setup import check_supported
     from moetrace.serving.server import Server
     from moetrace.trace.writer import unclosed_traces
 

@@ -8,10 +8,10 @@ kernels round the float32 value here and keep computing in float32.
 Compiled for the H200, a cast down and back up (``v.to(bf16).to(fp32)``) was
 folded away, so nothing was rounded.  The bfloat16 rounding is therefore the
 conversion instruction as inline assembly, which nothing folds (two
-instructions an element: ``tests/test_kernel_roundings_compiled.py``); the
+instructions an element: ``tests/kernels/test_kernel_roundings_compiled.py``); the
 interpreter runs no assembly, and there it works on the bits, as the float16
 rounding does everywhere.  Both give torch's casts bit for bit
-(``tests/test_triton_rounding.py``).
+(``tests/kernels/test_triton_rounding.py``).
 """
 
 from __future__ import annotations

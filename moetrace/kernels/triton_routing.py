@@ -21,7 +21,7 @@ would record other ids than the torch path on CUDA.  One difference is left:
 on raw logits torch's selection ranks -0 below +0, which this ties.  Weights
 follow the family's float32 rule with libdevice's ``exp`` (the CUDA math
 library's ``expf``, which torch's softmax calls) and an IEEE division; only the order of the softmax's sum differs from torch's,
-so weights agree to a few units in the last place (``tests/test_triton_routing.py``).
+so weights agree to a few units in the last place (``tests/kernels/test_triton_routing.py``).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _torch_cuda_order(ids, values, ROWS: tl.constexpr, TOP_K: tl.constexpr, K_P2
     then the equal ones in index order; its sort of those k is a bitonic
     network over 32 slots, unstable, so where equal values end up depends on
     where they start.  Both are done here as torch does them
-    (``tests/routing_cases.py`` has the model, checked against CUDA's ``topk``).
+    (``tests/support/routing_cases.py`` has the model, checked against CUDA's ``topk``).
     """
     slots = tl.arange(0, K_P2)
     in_k = (slots < TOP_K)[None, :]

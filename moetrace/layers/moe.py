@@ -136,7 +136,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # the torch ops.  Decided by the step's size, so a captured graph always holds one
 # path.  Its ids are CUDA ``torch.topk``'s on every row, ties included, and its
 # float32 weights torch's to 1-2 units in the last place
-# (``tests/test_gpu_routing.py``).  ``MOETRACE_FUSED_ROUTING=0`` turns it off.
+# (``tests/kernels/test_gpu_routing.py``).  ``MOETRACE_FUSED_ROUTING=0`` turns it off.
 FUSED_ROUTING_MAX_TOKENS = 0 if os.environ.get("MOETRACE_FUSED_ROUTING") == "0" else 65536
 
 

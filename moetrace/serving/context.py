@@ -15,11 +15,11 @@ import numpy as np
 from moetrace.engine.llm_engine import request_problem
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import ModelError
-from moetrace.run_setup import generation_defaults as checkpoint_generation_defaults
+from moetrace.inputs.tokenizer import Tokenizer
+from moetrace.runs.setup import generation_defaults as checkpoint_generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.protocol import FieldProblem
 from moetrace.serving.responses import Base64Text
-from moetrace.tokenizer import Tokenizer
 from moetrace.trace.wire import float32_base64, hidden_layer_rows, int32_base64, npy_base64
 
 # vLLM's defaults for OpenAI requests that leave a sampling field out.

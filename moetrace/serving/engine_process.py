@@ -146,7 +146,7 @@ def _one_line(exc: BaseException) -> str:
 def _build(spec: EngineSpec) -> tuple[LLMEngine, Ready]:
     import torch
 
-    from moetrace.run_setup import load_engine, load_tokenizer, model_metadata
+    from moetrace.runs.setup import load_engine, load_tokenizer, model_metadata
 
     run = _Run(spec, torch.device(spec.device), load_tokenizer(spec.model_name))
     loaded = load_engine(run)

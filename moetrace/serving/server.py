@@ -32,7 +32,7 @@ from moetrace.errors import MoetraceError
 from moetrace.models.demo import model_dir
 from moetrace.models.loader import read_config
 from moetrace.models.registry import resolve_architecture
-from moetrace.run_setup import (
+from moetrace.runs.setup import (
     load_engine,
     load_tokenizer,
     model_context_length,

@@ -1,0 +1,1 @@
+"""What comes in: prompt lines and their shards, text <-> token ids, stdin read-ahead."""

@@ -1,0 +1,1 @@
+"""What the tests share: reference models, trace builders, servers, runners."""
