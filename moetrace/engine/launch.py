@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moetrace import envs
 from moetrace.config import EngineConfig
 from moetrace.distributed.state import (
     Collectives,
@@ -57,7 +58,7 @@ class WorkerSpec:
 
 def timeout() -> timedelta:
     """How long a collective may wait: a worker loading a large checkpoint keeps rank 0 waiting."""
-    return timedelta(seconds=float(os.environ.get("MOETRACE_DIST_TIMEOUT", 1800)))
+    return timedelta(seconds=envs.get("MOETRACE_DIST_TIMEOUT"))
 
 
 def under_torchrun() -> bool:

@@ -12,14 +12,13 @@ parts run one after another.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
-# How many parts a decode step's experts run in (1: one stream, as before).
-EXPERT_STREAMS = int(os.environ.get("MOETRACE_EXPERT_STREAMS", "2"))
+# How many parts a decode step's experts run in (1: one stream).
+EXPERT_STREAMS = 2
 
 _SIDE: dict[torch.device, list[torch.cuda.Stream]] = {}
 

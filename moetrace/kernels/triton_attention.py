@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from moetrace import envs
 from moetrace.forward_context import AttentionMetadata
 from moetrace.kernels.kv_store import store_kv_torch  # the plain path, and the baseline benchmarked
 from moetrace.kernels.triton_rounding import round_to
@@ -920,12 +921,12 @@ class TileConfig(NamedTuple):
 # sm_90a, take 35% fewer instructions a key and head in the scores pool's three loops;
 # not yet timed on the H200, so one until ``steady_state.py sink-tiles`` says otherwise.
 # ``MOETRACE_SINK_DECODE_PACK=2`` runs a process on the packed tile, for whole-step timings.
-SINK_DECODE_PACK = int(os.environ.get("MOETRACE_SINK_DECODE_PACK", "1"))
+SINK_DECODE_PACK = envs.get("MOETRACE_SINK_DECODE_PACK")
 # A register cap for the window layers' one tile with sinks (0: ptxas's).  Chained at batch
 # 256, 80 registers (six programs a multiprocessor, no spills) took gpt-oss-20b's window
 # layers from 28.9 to 26.4 µs; the whole step has not been timed with it, so it is off
 # unless ``MOETRACE_SINK_WINDOW_MAXNREG`` sets it.
-SINK_WINDOW_MAXNREG = int(os.environ.get("MOETRACE_SINK_WINDOW_MAXNREG", "0"))
+SINK_WINDOW_MAXNREG = envs.get("MOETRACE_SINK_WINDOW_MAXNREG")
 # The sinks' softmax, the same bits either way (``_share``, ``_scratch_passes``).
 # ``SINK_RECIPROCAL``: each probability from its row's reciprocal and one FMA correction
 # instead of an IEEE division.  Compiled for sm_90a it takes the default decode tile's
@@ -935,8 +936,8 @@ SINK_WINDOW_MAXNREG = int(os.environ.get("MOETRACE_SINK_WINDOW_MAXNREG", "0"))
 # exponentials kept between its last two loops (the packed tile's values loop 343 -> 237
 # instructions, the pool's bytes doubled); not yet timed on the H200, so off unless
 # ``MOETRACE_SINK_KEEP_EXPS=1`` (docs/benchmarks.md).
-SINK_RECIPROCAL = os.environ.get("MOETRACE_SINK_RECIPROCAL", "1") == "1"
-SINK_KEEP_EXPS = os.environ.get("MOETRACE_SINK_KEEP_EXPS") == "1"
+SINK_RECIPROCAL = envs.get("MOETRACE_SINK_RECIPROCAL")
+SINK_KEEP_EXPS = envs.get("MOETRACE_SINK_KEEP_EXPS")
 
 # Programs of the swept decode tile a multiprocessor held for Qwen3's shape when the rule
 # below was measured (105 registers, 38.9 KB of shared memory: four), where the capped

@@ -15,17 +15,16 @@ this module decodes the checkpoint layout for the plain path and the tests.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from moetrace import envs
 from moetrace.errors import ModelError
 from moetrace.kernels.mxfp4_layout import LAYOUTS
 
 # How MoEExperts keep MXFP4 experts (read once, when the module is imported).
-MXFP4_LAYOUT = os.environ.get("MOETRACE_MXFP4_LAYOUT", "fragment")
-if MXFP4_LAYOUT not in LAYOUTS:
-    raise ModelError(f"MOETRACE_MXFP4_LAYOUT={MXFP4_LAYOUT!r}; choose one of {', '.join(LAYOUTS)}")
+MXFP4_LAYOUT = envs.get("MOETRACE_MXFP4_LAYOUT")
+assert MXFP4_LAYOUT in LAYOUTS
 # The fragment layout's fast decoder multiplies by bf16 2**(s - 1): exact up to this scale
 # (values to 12); experts with a larger one decode by the exact generic path instead.
 FAST_SCALE_MAX = 128

@@ -8,14 +8,13 @@ which then never go through a ``[T, H]`` tensor of their own
 see there).  Everywhere else the same torch ops as before run, in the same
 order, so the plain path computes exactly what the layers always did.
 
-``MOETRACE_FUSED_NORMS=0`` turns these fusions off (and the attention's, see
-``models/common.py``): the unfused kernels run instead, for benchmarks and
-for bisecting.
+``FUSED_NORMS`` false runs the unfused kernels instead (and the attention's
+norms unfused, see ``models/common.py``): the tests hold the fused kernels
+to the sequence they replace, bit for bit.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -23,8 +22,8 @@ from torch import nn
 
 from moetrace.layers.norm import RMSNorm
 
-# Read at each call, so a benchmark may compare both in one process.
-FUSED_NORMS = os.environ.get("MOETRACE_FUSED_NORMS", "1") != "0"
+# Read at each call, so a test may compare both in one process.
+FUSED_NORMS = True
 
 
 class ExpertRows(NamedTuple):

@@ -54,7 +54,7 @@ from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.resume import ResumePoint, check_settings, open_resume_point, result_settings
 from moetrace.trace.writer import TraceWriter
 
-MOETRACE_SOURCE = "moetrace's default"
+DEFAULT_SOURCE = "moetrace's default"
 CLI_SOURCE = "command line"
 
 
@@ -119,7 +119,7 @@ class SamplingDefaults:
         own = [k for k in ("max_tokens", "temperature") if k not in self.sources]
         if own:
             shown = {"max_tokens": f"max_tokens {self.max_tokens}", "temperature": "greedy"}
-            parts.append(f"{', '.join(shown[k] for k in own)} ({MOETRACE_SOURCE})")
+            parts.append(f"{', '.join(shown[k] for k in own)} ({DEFAULT_SOURCE})")
         return "sampling defaults: " + "; ".join(parts)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
-from moetrace import __version__
+from moetrace import __version__, envs
 from moetrace.config import EngineConfig
 from moetrace.engine.heap import freeze_start_up_heap
 from moetrace.engine.llm_engine import LLMEngine
@@ -51,27 +50,15 @@ from moetrace.trace.writer import TraceWriter
 
 KEEP_ALIVE_S = 65  # seconds an idle keep-alive connection stays open
 
-# Python's thread switch interval while serving. Every torch op the engine thread runs
-# drops the GIL and takes it back; when the event loop holds it meanwhile, the engine waits
-# up to this long for it (Python's default is 5 ms). On the 2-core CI machine an engine-like
-# thread (300 GIL-releasing ops and a 6 ms wait per step) beside a busy thread stepped in
-# 13-16 ms at 1 ms, 12 ms at 0.2 ms (8-10 ms alone), with no less work done by the busy one.
-SWITCH_INTERVAL_MS = 0.2
+# Python's thread switch interval while serving (envs.py). Every torch op the engine thread
+# runs drops the GIL and takes it back; when the event loop holds it meanwhile, the engine
+# waits up to this long for it (Python's default is 5 ms).
 SWITCH_INTERVAL_ENV = "MOETRACE_SERVE_SWITCH_INTERVAL_MS"
+SWITCH_INTERVAL_MS = envs.ENVIRONMENT[SWITCH_INTERVAL_ENV].default
 
 
 def switch_interval_s() -> float:
-    """The switch interval to serve with: ``SWITCH_INTERVAL_MS`` unless the environment says."""
-    value = os.environ.get(SWITCH_INTERVAL_ENV, "")
-    try:
-        ms = float(value) if value else SWITCH_INTERVAL_MS
-    except ValueError:
-        raise MoetraceError(
-            f"{SWITCH_INTERVAL_ENV} must be a number of ms, got {value!r}"
-        ) from None
-    if not ms > 0:
-        raise MoetraceError(f"{SWITCH_INTERVAL_ENV} must be > 0, got {value!r}")
-    return ms / 1e3
+    return envs.get(SWITCH_INTERVAL_ENV) / 1e3
 
 
 @dataclass

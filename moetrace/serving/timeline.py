@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetrace import envs
+
 ENV = "MOETRACE_SERVE_TIMELINE"
 
 STEP_COLUMNS = (
@@ -39,8 +41,7 @@ STEP_COLUMNS = (
 
 
 def timeline_path() -> Path | None:
-    value = os.environ.get(ENV)
-    return Path(value) if value else None
+    return envs.get(ENV)
 
 
 @dataclass

@@ -6,15 +6,14 @@ import errno
 import os
 from pathlib import Path
 
+from moetrace import envs
 from moetrace.errors import MoetraceError
 
 # Write failures that mean "no room", not "bug": the run stops with a hint to resume.
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-# Room kept free on the trace's file system: HDF5 must never meet a full disk itself
-# (measured with h5py 3.16 / HDF5 2.0: a failed write leaves the file impossible to
-# close, and the interpreter then crashes on exit).  Stopping while there is still
-# room closes the file cleanly, ready for --resume.
-DEFAULT_RESERVE_BYTES = 8 << 20
+# Room kept free on the trace's file system (envs.py): with h5py 3.16 / HDF5 2.0 a failed
+# write leaves the file impossible to close, so a run stops while there is still room.
+DEFAULT_RESERVE_BYTES = envs.DEFAULT_DISK_RESERVE_BYTES
 RESERVE_ENV = "MOETRACE_DISK_RESERVE_BYTES"
 
 
@@ -46,8 +45,7 @@ def free_bytes(path: Path) -> int:
 
 
 def reserve_from_env() -> int:
-    value = os.environ.get(RESERVE_ENV, "")
-    return int(value) if value.strip().isdigit() else DEFAULT_RESERVE_BYTES
+    return envs.get(RESERVE_ENV)
 
 
 def one_line_cause(exc: BaseException) -> str:
