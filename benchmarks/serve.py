@@ -74,6 +74,7 @@ def _record_worker(model_dir: str, prompts: list[list[int]], args: dict, queue) 
     """One process: a warm-up recording, then the measured one (what ``record`` runs)."""
     from moetrace.config import EngineConfig
     from moetrace.runs.recording import Recording, SamplingDefaults
+    from moetrace.runs.setup import RunOptions
 
     steps: list[tuple] = []
     _time_steps(steps)
@@ -91,13 +92,10 @@ def _record_worker(model_dir: str, prompts: list[list[int]], args: dict, queue) 
                 enforce_eager=args["enforce_eager"],
             )
             recording = Recording(
-                model_dir,
+                RunOptions.of(model_dir, engine=engine, dtype=args["dtype"], load_format="dummy"),
                 str(path),
                 Path(tmp) / f"{name}.h5",
-                engine=engine,
                 sampling=SamplingDefaults(max_tokens=tokens, ignore_eos=True),
-                dtype=args["dtype"],
-                load_format="dummy",
             )
             steps.clear()
             result = recording.run()

@@ -64,13 +64,12 @@ def make_engine(model, mode: str, args, num_blocks: int) -> LLMEngine:
     return LLMEngine(model, config, device())
 
 
-def record(engine: LLMEngine, mode: str, prompts, output_lens, trace: Path | None) -> float:
+def record(engine: LLMEngine, source, mode: str, prompts, output_lens, trace: Path | None) -> float:
     """Output tokens/s of one recording of the workload, the trace closed at the end."""
     capture, _, logprobs = MODES[mode]
     writer = None
     if trace is not None and capture:
-        metadata = model_metadata("bench", engine, engine.model.architecture, "bench", None,
-                                  engine.config.to_dict(), logprobs=logprobs)  # fmt: skip
+        metadata = model_metadata(source, engine, None, engine.config.to_dict(), logprobs=logprobs)
         writer = TraceWriter(trace, metadata, overwrite=True)
         writer.start()
     sync()
@@ -96,7 +95,8 @@ def bench(name: str, config: dict, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         dtype = "bfloat16" if device().type == "cuda" else "float32"
-        model = load_model(tmp, device=device(), dtype=dtype, load_format="dummy").model
+        loaded = load_model(tmp, device=device(), dtype=dtype, load_format="dummy")
+        model = loaded.model
     model.architecture = config["architectures"][0]
     tokens_per_seq = max(len(p) + n for p, n in zip(prompts, output_lens, strict=True))
     num_blocks = args.max_num_seqs * -(-tokens_per_seq // 16) + 64
@@ -109,11 +109,11 @@ def bench(name: str, config: dict, args) -> dict:
     with tempfile.TemporaryDirectory(dir=args.trace_dir) as tmp:
         trace = None if args.no_trace else Path(tmp) / "bench.h5"
         for mode, engine in engines.items():  # compile and warm every step shape first
-            record(engine, mode, prompts, [args.warmup_tokens] * len(prompts), trace)
+            record(engine, loaded.source, mode, prompts, [args.warmup_tokens] * len(prompts), trace)
         order = list(engines.items())
         for repeat in range(args.repeats):
             for mode, engine in order[repeat % len(order) :] + order[: repeat % len(order)]:
-                tok_s = record(engine, mode, prompts, output_lens, trace)
+                tok_s = record(engine, loaded.source, mode, prompts, output_lens, trace)
                 runs[mode].append(tok_s)
                 print(f"[{name}] {mode}: {tok_s:,.0f} tok/s", flush=True)
     batch = min(args.max_num_seqs, len(prompts))

@@ -6,41 +6,10 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import typer
 
 from moetrace.errors import MoetraceError
-
-if TYPE_CHECKING:
-    from moetrace.distributed.state import ParallelConfig
-
-
-def parallel_or_worker(
-    model: str,
-    *,
-    tensor_parallel_size: int | None,
-    enable_expert_parallel: bool,
-    sequence_parallel_moe: bool,
-    device: str,
-    dtype: str,
-) -> ParallelConfig | None:
-    """The checked tensor-parallel options; None in a torchrun worker (rank > 0), which has
-    then run rank 0's steps to the end and has nothing left to do (writes and prints nothing)."""
-    from moetrace.engine.launch import is_torchrun_worker, prepare_parallel, run_torchrun_worker
-
-    parallel = prepare_parallel(
-        model,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_expert_parallel=enable_expert_parallel,
-        sequence_parallel_moe=sequence_parallel_moe,
-        device=device,
-        dtype=dtype,
-    )
-    if is_torchrun_worker(parallel):
-        run_torchrun_worker(parallel, device)
-        return None
-    return parallel
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetrace.cli import engine_options as opts
-from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
+from moetrace.cli.engine_runs import trace_run_errors
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
     from moetrace.signals import GracefulStop
 
 
+@opts.with_engine_options
 def record_command(
     model: str = opts.MODEL,
     prompts: str = typer.Argument(
@@ -40,15 +41,11 @@ def record_command(
         None, "--top-k", help="0 or -1: off (default: the generation config's)."
     ),
     generation_config: str = opts.GENERATION_CONFIG,
-    revision: str | None = opts.REVISION,
-    tokenizer: str | None = opts.TOKENIZER,
-    trust_remote_code: bool = opts.TRUST_REMOTE_CODE,
     ignore_unknown_fields: bool = typer.Option(
         False,
         "--ignore-unknown-fields",
         help="Warn about prompt-line fields moetrace does not know and go on (default: refuse).",
     ),
-    seed: int = opts.SEED,
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Generate max_tokens even past EOS."
     ),
@@ -58,21 +55,7 @@ def record_command(
         help="Also store each output token's log-probability under the model (vLLM's logprobs).",
     ),
     record_weights: bool = opts.RECORD_WEIGHTS,
-    weights_dtype: opts.WeightsDtype = opts.WEIGHTS_DTYPE,
-    dtype: str = opts.DTYPE,
-    device: str = opts.DEVICE,
-    load_format: str = opts.LOAD_FORMAT,
-    block_size: int = opts.BLOCK_SIZE,
-    num_kv_blocks: int | None = opts.NUM_KV_BLOCKS,
-    max_num_seqs: int = opts.MAX_NUM_SEQS,
-    max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
-    max_model_len: int | None = opts.MAX_MODEL_LEN,
-    enable_prefix_caching: bool = opts.ENABLE_PREFIX_CACHING,
-    gpu_memory_utilization: float = opts.GPU_MEMORY_UTILIZATION,
-    pipeline_parallel_size: int = opts.PIPELINE_PARALLEL_SIZE,
-    cpu_offload_gb: float = opts.CPU_OFFLOAD_GB,
-    enforce_eager: bool = opts.ENFORCE_EAGER,
-    max_cudagraph_capture_size: int = opts.MAX_CUDAGRAPH_CAPTURE_SIZE,
+    engine: opts.EngineArgs = None,  # the shared options (engine_options.py)
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     resume: bool = typer.Option(
         False,
@@ -90,9 +73,6 @@ def record_command(
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="No progress bar, no start-up breakdown: the result line only."
     ),
-    tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
-    enable_expert_parallel: bool = opts.ENABLE_EXPERT_PARALLEL,
-    sequence_parallel_moe: bool = opts.SEQUENCE_PARALLEL_MOE,
     num_shards: int = typer.Option(
         1, "--num-shards", help="Data-parallel shards of the prompts (one run per shard)."
     ),
@@ -107,66 +87,35 @@ def record_command(
 
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
-    from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
+    from moetrace.engine.launch import TensorParallelDriver, worker_spec
     from moetrace.inputs.shards import check_shard_args
     from moetrace.runs.recording import Recording, SamplingDefaults
-    from moetrace.runs.setup import (
-        check_supported,
-        generation_defaults,
-        model_with_revision,
-        refuse_remote_code,
-    )
+    from moetrace.runs.setup import generation_defaults
     from moetrace.signals import GracefulStop, set_exit_context, signal_name
 
-    check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
-    refuse_remote_code(trust_remote_code)
-    model = model_with_revision(model, revision)
+    engine.check()
     check_shard_args(num_shards, shard_index)
-    parallel = parallel_or_worker(
-        model,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_expert_parallel=enable_expert_parallel,
-        sequence_parallel_moe=sequence_parallel_moe,
-        device=device,
-        dtype=dtype,
-    )
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    _check_sampling(given, engine.seed)
+    parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
-    engine = opts.engine_config(
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching,
-        gpu_memory_utilization=gpu_memory_utilization,
-        seed=seed,
-        # Graphs with collectives inside have not run on two GPUs yet (docs/distributed.md).
-        enforce_eager=enforce_eager or parallel.enabled,
-        max_cudagraph_capture_size=max_cudagraph_capture_size,
-        capture_weights=weights_dtype.value if record_weights else None,
-    )
-    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    _check_sampling(given, seed)
-    defaults, source = generation_defaults(model, generation_config)
+    run = engine.run_options(model, parallel, capture_weights=record_weights)
+    defaults, defaults_file = generation_defaults(run.model, generation_config)
     sampling = SamplingDefaults.resolve(
-        given, defaults, source, ignore_eos=ignore_eos, logprobs=logprobs
+        given, defaults, defaults_file, ignore_eos=ignore_eos, logprobs=logprobs
     )
     console = Console(stderr=True)
     with (
         GracefulStop() as stop,
-        TensorParallelDriver(parallel, device) as driver,
+        TensorParallelDriver(parallel, engine.device) as driver,
         trace_run_errors(),
     ):
         recording = Recording(
-            model,
+            run,
             prompts,
             output,
-            engine=engine,
             sampling=sampling,
-            device=device,
-            dtype=dtype,
-            load_format=load_format,
             overwrite=overwrite,
             skip_invalid=skip_invalid,
             resume=resume,
@@ -174,8 +123,6 @@ def record_command(
             flush_every_requests=flush_every,
             num_shards=num_shards,
             shard_index=shard_index,
-            extra_settings=parallel_settings(parallel),
-            tokenizer=tokenizer,
             ignore_unknown_fields=ignore_unknown_fields,
         )
         driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0

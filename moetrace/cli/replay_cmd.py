@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetrace.cli import engine_options as opts
 from moetrace.cli.diff_cmd import render_diff
-from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
+from moetrace.cli.engine_runs import trace_run_errors
 from moetrace.cli.pipes import StdoutConsole
 from moetrace.errors import MoetraceError
 
@@ -22,10 +21,10 @@ if TYPE_CHECKING:  # the engine (and torch) load only when a replay runs
     from moetrace.signals import GracefulStop
 
 
+@opts.with_engine_options
 def replay_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace to replay."),
     model: str = opts.MODEL,
-    revision: str | None = opts.REVISION,
     output: Path = typer.Option(..., "-o", "--output", help="Trace file to write (HDF5)."),
     force_routing: bool = typer.Option(
         False,
@@ -34,23 +33,7 @@ def replay_command(
         "router scores over them), as routing replay does in training.",
     ),
     record_weights: bool = opts.RECORD_WEIGHTS,
-    weights_dtype: opts.WeightsDtype = opts.WEIGHTS_DTYPE,
-    seed: int = opts.SEED,
-    dtype: str = opts.DTYPE,
-    device: str = opts.DEVICE,
-    load_format: str = opts.LOAD_FORMAT,
-    block_size: int = opts.BLOCK_SIZE,
-    num_kv_blocks: int | None = opts.NUM_KV_BLOCKS,
-    max_num_seqs: int = opts.MAX_NUM_SEQS,
-    max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
-    max_model_len: int | None = opts.MAX_MODEL_LEN,
-    enable_prefix_caching: bool = opts.ENABLE_PREFIX_CACHING,
-    gpu_memory_utilization: float = opts.GPU_MEMORY_UTILIZATION,
-    enforce_eager: bool = opts.ENFORCE_EAGER,
-    max_cudagraph_capture_size: int = opts.MAX_CUDAGRAPH_CAPTURE_SIZE,
-    tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
-    enable_expert_parallel: bool = opts.ENABLE_EXPERT_PARALLEL,
-    sequence_parallel_moe: bool = opts.SEQUENCE_PARALLEL_MOE,
+    engine: opts.EngineArgs = None,  # the shared options (engine_options.py)
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
     report: Path | None = typer.Option(None, "--report", help="Also write the report as JSON."),
@@ -70,54 +53,22 @@ def replay_command(
 
     Example: moetrace replay bf16.h5 ~/models/Qwen3-30B-A3B --dtype float32 -o fp32.h5
     """
-    from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
+    from moetrace.engine.launch import TensorParallelDriver, worker_spec
     from moetrace.runs.replay import Replay
-    from moetrace.runs.setup import model_with_revision
     from moetrace.signals import GracefulStop
 
-    model = model_with_revision(model, revision)
-    parallel = parallel_or_worker(
-        model,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_expert_parallel=enable_expert_parallel,
-        sequence_parallel_moe=sequence_parallel_moe,
-        device=device,
-        dtype=dtype,
-    )
+    engine.check()
+    parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
-    engine = opts.engine_config(
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching,
-        gpu_memory_utilization=gpu_memory_utilization,
-        seed=seed,
-        enforce_eager=enforce_eager or parallel.enabled,
-        max_cudagraph_capture_size=max_cudagraph_capture_size,
-        capture_weights=weights_dtype.value if record_weights else None,
-    )
-    engine = dataclasses.replace(engine, force_routing=force_routing)
+    run = engine.run_options(model, parallel, capture_weights=record_weights)
     console = Console(stderr=True)
     with (
         GracefulStop() as stop,
-        TensorParallelDriver(parallel, device) as driver,
+        TensorParallelDriver(parallel, engine.device) as driver,
         trace_run_errors(),
     ):
-        replay = Replay(
-            trace_path,
-            model,
-            output,
-            engine=engine,
-            device=device,
-            dtype=dtype,
-            load_format=load_format,
-            overwrite=overwrite,
-            force_routing=force_routing,
-            extra_settings=parallel_settings(parallel),
-        )
+        replay = Replay(trace_path, run, output, overwrite=overwrite, force_routing=force_routing)
         driver.start(worker_spec(replay))
         result = replay.run(stop=stop) if quiet else _run_with_progress(replay, console, stop)
     if report is not None:

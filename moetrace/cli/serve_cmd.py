@@ -9,12 +9,12 @@ from pathlib import Path
 import typer
 
 from moetrace.cli import engine_options as opts
-from moetrace.cli.engine_runs import parallel_or_worker
 from moetrace.errors import MoetraceError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+@opts.with_engine_options
 def serve_command(
     model: str = opts.MODEL,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
@@ -36,7 +36,6 @@ def serve_command(
         help="Capture gate weights too; a request with return_routed_weights gets them beside "
         "its routed experts (docs/serving.md).",
     ),
-    weights_dtype: opts.WeightsDtype = opts.WEIGHTS_DTYPE,
     trace_out: Path | None = typer.Option(
         None, "--trace-out", help="Also write every served request to this HDF5 trace."
     ),
@@ -62,26 +61,9 @@ def serve_command(
     uvicorn_log_level: str = typer.Option(
         "warning", "--uvicorn-log-level", help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}."
     ),
-    seed: int = opts.SEED,
-    dtype: str = opts.DTYPE,
-    device: str = opts.DEVICE,
-    load_format: str = opts.LOAD_FORMAT,
-    block_size: int = opts.BLOCK_SIZE,
-    num_kv_blocks: int | None = opts.NUM_KV_BLOCKS,
-    max_num_seqs: int = opts.MAX_NUM_SEQS,
-    max_num_batched_tokens: int = opts.MAX_NUM_BATCHED_TOKENS,
-    max_model_len: int | None = opts.MAX_MODEL_LEN,
-    enable_prefix_caching: bool = opts.ENABLE_PREFIX_CACHING,
-    gpu_memory_utilization: float = opts.GPU_MEMORY_UTILIZATION,
-    pipeline_parallel_size: int = opts.PIPELINE_PARALLEL_SIZE,
-    cpu_offload_gb: float = opts.CPU_OFFLOAD_GB,
-    enforce_eager: bool = opts.ENFORCE_EAGER,
-    max_cudagraph_capture_size: int = opts.MAX_CUDAGRAPH_CAPTURE_SIZE,
+    engine: opts.EngineArgs = None,  # the shared options (engine_options.py)
     flush_interval: float = opts.FLUSH_INTERVAL,
     flush_every: int = opts.FLUSH_EVERY,
-    tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
-    enable_expert_parallel: bool = opts.ENABLE_EXPERT_PARALLEL,
-    sequence_parallel_moe: bool = opts.SEQUENCE_PARALLEL_MOE,
 ) -> None:
     """Serve MODEL over HTTP for RL rollouts: OpenAI /v1/completions and
     /v1/chat/completions, SGLang /generate, /v1/models, /health, /metrics.
@@ -92,7 +74,7 @@ def serve_command(
 
     Example: moetrace serve demo --port 8000 --enable-return-routed-experts
     """
-    from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
+    from moetrace.engine.launch import TensorParallelDriver, worker_spec
 
     try:
         import starlette  # noqa: F401
@@ -101,7 +83,6 @@ def serve_command(
         raise MoetraceError(
             f"moetrace serve needs {exc.name}: pip install 'moetrace[serve]'"
         ) from None
-    from moetrace.runs.setup import check_supported
     from moetrace.serving.server import Server
     from moetrace.trace.writer import unclosed_traces
 
@@ -112,37 +93,14 @@ def serve_command(
         )
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
-    check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
-    parallel = parallel_or_worker(
-        model,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_expert_parallel=enable_expert_parallel,
-        sequence_parallel_moe=sequence_parallel_moe,
-        device=device,
-        dtype=dtype,
-    )
+    engine.check()
+    parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
-    engine = opts.engine_config(
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching,
-        gpu_memory_utilization=gpu_memory_utilization,
-        seed=seed,
-        enforce_eager=enforce_eager or parallel.enabled,
-        max_cudagraph_capture_size=max_cudagraph_capture_size,
-        capture_weights=weights_dtype.value if enable_return_routed_weights else None,
-    )
-    with TensorParallelDriver(parallel, device) as driver:
+    run = engine.run_options(model, parallel, capture_weights=enable_return_routed_weights)
+    with TensorParallelDriver(parallel, engine.device) as driver:
         server = Server(
-            model,
-            engine=engine,
-            device=device,
-            dtype=dtype,
-            load_format=load_format,
+            run,
             host=host,
             port=port,
             served_model_names=list(served_model_name or []) or None,
@@ -155,7 +113,6 @@ def serve_command(
             shutdown_timeout_s=shutdown_timeout,
             generation_config=generation_config,
             log_level=uvicorn_log_level,
-            extra_settings=parallel_settings(parallel),
             # Rank 0 of a tensor-parallel group is this process (the driver joined it).
             engine_in_process=not engine_process or parallel.enabled,
         )

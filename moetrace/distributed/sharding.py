@@ -50,6 +50,7 @@ from moetrace.layers.attention import PagedAttention
 from moetrace.layers.moe import MoEExperts
 from moetrace.models.base import MoEBlockBase, MoEForCausalLM
 from moetrace.models.loader import LoadedModel, instantiate, load_model
+from moetrace.models.source import ModelSource
 from moetrace.models.weights import Target, WeightMap
 
 
@@ -339,7 +340,7 @@ def instantiate_sharded(
     return model
 
 
-def load_model_for_rank(source: str, **options) -> LoadedModel:
+def load_model_for_rank(source: ModelSource, **options) -> LoadedModel:
     """``load_model`` for this process: under tensor parallelism only its slice of each weight.
 
     ``options`` are ``load_model``'s; on one device this is ``load_model`` itself.

@@ -41,6 +41,7 @@ from moetrace.distributed.state import (
     set_parallel_state,
 )
 from moetrace.errors import MoetraceError
+from moetrace.models.source import ModelSource
 from moetrace.signals import on_signal_exit
 
 
@@ -48,7 +49,7 @@ from moetrace.signals import on_signal_exit
 class WorkerSpec:
     """What a worker needs to build rank 0's engine (the scheduler's inputs stay on rank 0)."""
 
-    model: str
+    model: ModelSource
     device: str  # resolved: "cuda" or "cpu"
     dtype: str
     load_format: str
@@ -298,7 +299,6 @@ class TensorParallelDriver:
 
 # ---------------------------------------------------------- command line
 def prepare_parallel(
-    model: str,
     *,
     tensor_parallel_size: int | None,
     enable_expert_parallel: bool,
@@ -306,18 +306,12 @@ def prepare_parallel(
     device: str,
     dtype: str,
 ) -> ParallelConfig:
-    """Resolve and check the parallel options before anything starts (guards.py)."""
-    from moetrace.distributed.guards import (
-        check_devices,
-        check_model_shardable,
-        resolve_parallel,
-    )
-    from moetrace.models.demo import model_dir
-    from moetrace.models.loader import read_config
+    """Resolve and check the parallel options before anything starts (guards.py); the
+    model's own fit is ``check_model_shardable``'s, once rank 0 has resolved it."""
+    from moetrace.distributed.guards import check_devices, resolve_parallel
 
     parallel = resolve_parallel(tensor_parallel_size, enable_expert_parallel, sequence_parallel_moe)
     if parallel.enabled:
-        check_model_shardable(read_config(model_dir(model)), parallel)
         check_devices(parallel, device, dtype, torchrun=under_torchrun())
     return parallel
 
@@ -326,15 +320,10 @@ def is_torchrun_worker(parallel: ParallelConfig) -> bool:
     return parallel.enabled and under_torchrun() and torchrun_rank() != 0
 
 
-def parallel_settings(parallel: ParallelConfig) -> dict:
-    """What the trace records about the group (not compared on --resume)."""
-    return parallel.to_dict()
-
-
 def worker_spec(recording) -> WorkerSpec:
     """The spec of a ``Recording`` that has checked its inputs and is about to load."""
     return WorkerSpec(
-        model=recording.model_name,
+        model=recording.model,
         device=recording.device.type,
         dtype=recording.dtype,
         load_format=recording.load_format,

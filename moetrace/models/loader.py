@@ -1,9 +1,8 @@
-"""Turn a MODEL argument into a ready model: config, weights, tokenizer.
+"""A resolved model (models/source.py) built and filled with its weights on one device.
 
-MODEL is a Hugging Face checkpoint directory (``config.json`` plus one or
-many ``*.safetensors``, with an index when sharded) or the built-in ``demo``.
-The model is built directly on the target device in the target dtype, so a
-large checkpoint is never materialised twice.
+The checkpoint is ``config.json`` plus one or many ``*.safetensors`` (with an
+index when sharded).  The model is built directly on the target device in
+the target dtype, so a large checkpoint is never materialised twice.
 
 The loader knows one device.  Tensor parallelism passes its own ``build``
 (distributed/sharding.py: built on meta, cut to this rank's slices); the
@@ -13,7 +12,6 @@ loader then reads only those slices, through the model's ``WeightMap``.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +22,8 @@ from moetrace.errors import ModelError
 from moetrace.layers.mxfp4 import random_mxfp4_
 from moetrace.models.base import MoEForCausalLM
 from moetrace.models.checkpoint_files import open_safetensors, safetensors_files
-from moetrace.models.config_checks import parse_config_file
-from moetrace.models.demo import model_dir
-from moetrace.models.registry import build_model, resolve_architecture
+from moetrace.models.registry import build_model
+from moetrace.models.source import ModelSource, resolve_model
 from moetrace.models.weights import WeightMap
 
 DTYPES = {
@@ -44,27 +41,20 @@ Builder = Callable[[dict, str, torch.dtype, torch.device], MoEForCausalLM]
 @dataclass
 class LoadedModel:
     model: MoEForCausalLM
-    config: dict
-    source: str  # the MODEL argument as given
-    path: Path  # checkpoint directory (the packaged one for the built-in demo)
+    source: ModelSource
     dtype: torch.dtype
-    config_digest: str
 
+    @property
+    def config(self) -> dict:
+        return self.source.config
 
-def read_config(path: Path) -> dict:
-    config_file = path / "config.json"
-    if not path.exists():
-        raise ModelError(f"no such model directory: {path}")
-    if not path.is_dir():
-        raise ModelError(f"{path}: not a directory (MODEL is a checkpoint directory or 'demo')")
-    if not config_file.exists():
-        raise ModelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    return parse_config_file(config_file)
+    @property
+    def path(self) -> Path:
+        return self.source.path
 
-
-def config_digest(config: dict) -> str:
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    @property
+    def config_digest(self) -> str:
+        return self.source.config_digest
 
 
 def resolve_dtype(name: str, config: dict, device: torch.device) -> torch.dtype:
@@ -203,7 +193,7 @@ def _stable_index(name: str) -> int:
 
 
 def load_model(
-    source: str,
+    source: ModelSource | str,
     *,
     device: torch.device,
     dtype: str = "auto",
@@ -211,16 +201,16 @@ def load_model(
     seed: int = 0,
     build: Builder | None = None,
 ) -> LoadedModel:
-    """Load MODEL (a checkpoint directory or ``demo``); ``build`` defaults to ``instantiate``."""
+    """Load a resolved model (or resolve MODEL first: a checkpoint directory, a cached model
+    id or ``demo``); ``build`` defaults to ``instantiate``."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(f"unknown load format {load_format!r}; choose {', '.join(LOAD_FORMATS)}")
-    path = model_dir(source)
-    config = read_config(path)
-    resolve_architecture(config, str(path))
-    torch_dtype = resolve_dtype(dtype, config, device)
-    model = (build or instantiate)(config, str(path), torch_dtype, device)
+    if isinstance(source, str):
+        source = resolve_model(source)
+    torch_dtype = resolve_dtype(dtype, source.config, device)
+    model = (build or instantiate)(source.config, str(source.path), torch_dtype, device)
     if load_format == "dummy":
         fill_dummy(model, seed)
     else:
-        load_safetensors(model, path, device)
-    return LoadedModel(model, config, source, path, torch_dtype, config_digest(config))
+        load_safetensors(model, source.path, device)
+    return LoadedModel(model, source, torch_dtype)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -25,6 +24,7 @@ from moetrace.engine.memory import kv_bytes_per_block
 from moetrace.errors import CapacityError, ModelError
 from moetrace.models.base import MoEForCausalLM
 from moetrace.models.loader import instantiate, load_safetensors
+from moetrace.models.source import ModelSource
 from moetrace.trace.metadata import expert_id_dtype
 
 GIB = float(1 << 30)
@@ -40,9 +40,7 @@ class MemoryAsk:
 
 
 def preflight(
-    config: dict,
-    path: Path,
-    source: str,
+    source: ModelSource,
     *,
     dtype: torch.dtype,
     device: torch.device,
@@ -55,22 +53,22 @@ def preflight(
     ``whole_model_on_device`` is False under tensor parallelism, where each
     device holds a slice and the memory sum would overstate it.
     """
-    model = build_on_meta(config, path, source, dtype)
+    model = build_on_meta(source, dtype)
     if load_format != "dummy":
-        load_safetensors(model, path, torch.device("meta"), headers_only=True)
+        load_safetensors(model, source.path, torch.device("meta"), headers_only=True)
     if whole_model_on_device:
         check_memory(model, device, ask)
 
 
-def build_on_meta(config: dict, path: Path, source: str, dtype: torch.dtype) -> MoEForCausalLM:
+def build_on_meta(source: ModelSource, dtype: torch.dtype) -> MoEForCausalLM:
     try:
-        return instantiate(config, source, dtype, torch.device("meta"))
+        return instantiate(source.config, source.name, dtype, torch.device("meta"))
     except ModelError:
         raise
     except Exception as exc:  # sizes that are each in range but do not fit together
         cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
         raise ModelError(
-            f"{path / 'config.json'}: cannot build the model it describes ({cause})"
+            f"{source.path / 'config.json'}: cannot build the model it describes ({cause})"
         ) from None
 
 

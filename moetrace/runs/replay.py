@@ -21,6 +21,7 @@ forced, only as far as its rows go (its later log-probabilities stay NaN).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,18 +31,14 @@ import numpy as np
 
 from moetrace import __version__
 from moetrace.analysis.diff import diff_traces
-from moetrace.config import EngineConfig
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.errors import MoetraceError
-from moetrace.models.demo import model_dir
-from moetrace.models.loader import read_config
-from moetrace.models.registry import resolve_architecture
 from moetrace.output_files import check_new_output
 from moetrace.runs.setup import (
+    RunOptions,
     load_engine,
     load_tokenizer,
     model_metadata,
-    model_source,
     resolve_device,
 )
 from moetrace.signals import GracefulStop, Interrupted, signal_name
@@ -73,17 +70,13 @@ class Replay:
     def __init__(
         self,
         trace: str | Path,
-        model: str,
+        run: RunOptions,
         output: str | Path,
         *,
-        engine: EngineConfig,
-        device: str = "auto",
-        dtype: str = "auto",
-        load_format: str = "auto",
         overwrite: bool = False,
         force_routing: bool = False,
-        extra_settings: dict | None = None,
     ) -> None:
+        engine = dataclasses.replace(run.engine, force_routing=force_routing)
         engine.validate()
         if not engine.capture_routing:
             raise MoetraceError("replay compares routing: it needs routing capture")
@@ -92,22 +85,20 @@ class Replay:
         check_new_output(self.output, overwrite=overwrite)
         if self.output.exists() and self.output.resolve() == self.trace_path.resolve():
             raise MoetraceError(f"the output {self.output} is the trace being replayed")
-        self.model_name = model
+        self.model = run.model
         self.engine_config = engine
-        self.device = resolve_device(device)
-        self.dtype = dtype
-        self.load_format = load_format
+        self.device = resolve_device(run.device)
+        self.dtype = run.dtype
+        self.load_format = run.load_format
         self.overwrite = overwrite
         self.force_routing = force_routing
-        self.extra_settings = {**(extra_settings or {}), **model_source(model)}
+        self.extra_settings = {**run.extra_settings, **run.model.provenance()}
         if force_routing and self.extra_settings.get("tensor_parallel_size", 1) > 1:
             raise MoetraceError(
                 "--force-routing runs on one device for now (tensor-parallel workers would "
                 "need the forced experts too)"
             )
-        self.config = read_config(model_dir(model))
-        resolve_architecture(self.config, model)
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(run.model)
         with open_trace(self.trace_path) as source:
             self.total = source.num_requests
             self.source_metadata = dict(source.metadata)
@@ -129,7 +120,7 @@ class Replay:
         for key in ROUTING_SHAPE:
             if have[key] != mine[key]:
                 raise MoetraceError(
-                    f"{self.model_name} routes differently from the model of {self.trace_path}: "
+                    f"{self.model.name} routes differently from the model of {self.trace_path}: "
                     f"{key} {mine[key]} vs {have[key]}"
                 )
 
@@ -161,10 +152,8 @@ class Replay:
         result.startup = {"weights": ready.weights_s, **engine.startup.seconds}
         self._check_routing_shape(engine)
         metadata = model_metadata(
-            self.model_name,
+            self.model,
             engine,
-            engine.model.architecture,
-            ready.loaded.config_digest,
             self.tokenizer,
             self._engine_settings(engine),
             logprobs=True,
@@ -219,7 +208,7 @@ class Replay:
         with open_trace(self.trace_path) as a, open_trace(self.output) as b:
             result.report = diff_traces(a, b)
         result.report["replay"] = {
-            "model": self.model_name,
+            "model": self.model.name,
             "dtype": metadata.dtype,
             "device": self.device.type,
             "force_routing": self.force_routing,

@@ -1,16 +1,15 @@
-"""What a ``record`` or ``serve`` run sets up the same way before its engine starts.
+"""What ``record``, ``serve`` and ``replay`` set up the same way before their engine starts.
 
-The options vLLM refuses with routing capture, the device, the tokenizer, the
-context limit, the EOS ids, and the root attributes of the trace the run
-writes.  Shared by ``recording`` and ``serving``, which sit side by side and
-do not import each other.
+The run's options (``RunOptions``), the device, the tokenizer, the sampling
+defaults of the checkpoint, the EOS ids, the engine over the loaded weights,
+and the root attributes of the trace the run writes.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,44 +17,19 @@ import torch
 
 from moetrace import __version__
 from moetrace.config import EngineConfig
+from moetrace.distributed.guards import check_model_shardable
 from moetrace.distributed.sharding import load_model_for_rank
+from moetrace.distributed.state import ParallelConfig
 from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.precompile import start_compile_workers, stop_compile_workers
 from moetrace.engine.sampling import sampling_problem
 from moetrace.errors import ModelError, MoetraceError
 from moetrace.inputs.tokenizer import Tokenizer
-from moetrace.models.demo import cached_model, model_dir
 from moetrace.models.loader import LoadedModel
+from moetrace.models.source import ModelSource, resolve_model
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.tokenizer_files import collect as collect_tokenizer_files
-
-
-def check_supported(*, pipeline_parallel_size: int = 1, cpu_offload_gb: float = 0.0) -> None:
-    """Refuse, at start, vLLM options that routing capture cannot honour.
-
-    vLLM refuses both with routed-experts capture: with pipeline parallelism no
-    single worker sees every MoE layer's routing for a token, and offloaded
-    weights run outside the layers that capture.  Every layer stays on every
-    device (one, or a tensor-parallel group).
-    """
-    if pipeline_parallel_size < 1:
-        raise MoetraceError(
-            f"--pipeline-parallel-size must be at least 1, got {pipeline_parallel_size}"
-        )
-    if pipeline_parallel_size > 1:
-        raise MoetraceError(
-            f"--pipeline-parallel-size {pipeline_parallel_size}: routing capture does not support "
-            "pipeline parallelism (vLLM refuses it too); split a model too big for one device "
-            "with --tensor-parallel-size"
-        )
-    if cpu_offload_gb < 0:
-        raise MoetraceError(f"--cpu-offload-gb must be >= 0, got {cpu_offload_gb}")
-    if cpu_offload_gb > 0:
-        raise MoetraceError(
-            f"--cpu-offload-gb {cpu_offload_gb:g}: routing capture does not support CPU weight "
-            "offload (vLLM refuses it too); use --device cpu to run entirely on the CPU"
-        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,46 +42,47 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_tokenizer(model: str, tokenizer: str | None = None) -> Tokenizer | None:
-    """The model's tokenizer, or the one ``--tokenizer`` names (a directory or a model id)."""
-    path = model_dir(tokenizer or model)
-    if not (path / "tokenizer.json").exists():
-        if tokenizer is not None:
-            raise MoetraceError(f"--tokenizer {tokenizer}: no tokenizer.json in {path}")
-        return None
-    return Tokenizer.from_dir(path)
+def load_tokenizer(model: ModelSource) -> Tokenizer | None:
+    """The tokenizer ``model`` resolved (its own, or ``--tokenizer``'s); None if it has none."""
+    return None if model.tokenizer_path is None else Tokenizer.from_dir(model.tokenizer_path)
 
 
-def model_with_revision(model: str, revision: str | None, option: str = "--revision") -> str:
-    """MODEL as handed on to every process: a cached model id carries its revision."""
-    if revision is None:
-        return model
-    if cached_model(model) is None:
-        raise MoetraceError(
-            f"{option} {revision}: {model!r} is a directory, not a model id from the Hugging "
-            "Face cache"
-        )
-    cached_model(f"{model}@{revision}")  # refused now, with the revisions the cache holds
-    return f"{model}@{revision}"
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run starts its engine: which model, where, in what dtype, with which settings.
 
+    Built once by the command (``record``, ``serve``, ``replay``) from its
+    options and handed to the run; Python callers build it with ``of``.
+    """
 
-def refuse_remote_code(trust_remote_code: bool) -> None:
-    """vLLM's --trust-remote-code runs Python shipped with a checkpoint; moetrace never does."""
-    if trust_remote_code:
-        raise MoetraceError(
-            "--trust-remote-code: moetrace never runs code shipped with a checkpoint; it has its "
-            "own implementation of each supported architecture (moetrace record --help lists "
-            "them), so leave the option out"
-        )
+    model: ModelSource
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    device: str = "auto"  # auto, cuda or cpu (resolved by the run)
+    dtype: str = "auto"
+    load_format: str = "auto"
+    # Recorded beside the engine's settings, not compared on --resume (tensor parallelism).
+    extra_settings: dict = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, model: str | ModelSource, **options: Any) -> RunOptions:
+        source = resolve_model(model) if isinstance(model, str) else model
+        return cls(source, **options)
 
-def model_source(model: str) -> dict:
-    """Where MODEL's files came from, for the trace: the cache's repository and commit."""
-    cached = cached_model(model)
-    if cached is None:
-        return {}
-    return {"model_repo": cached.repo_id, "model_revision": cached.revision,
-            "model_commit": cached.commit}  # fmt: skip
+    @classmethod
+    def resolve(
+        cls,
+        model: str,
+        revision: str | None,
+        *,
+        tokenizer: str | None,
+        parallel: ParallelConfig,
+        **options: Any,
+    ) -> RunOptions:
+        """A command's run: MODEL resolved, and held against the tensor-parallel group."""
+        source = resolve_model(model, revision, tokenizer=tokenizer)
+        if parallel.enabled:
+            check_model_shardable(source.config, parallel)
+        return cls(source, extra_settings=parallel.to_dict(), **options)
 
 
 # generation_config.json keys vLLM's --generation-config takes as defaults, by SamplingParams name.
@@ -121,7 +96,7 @@ GENERATION_KEYS = {
 }
 
 
-def generation_defaults(model: str, mode: str) -> tuple[dict[str, Any], str | None]:
+def generation_defaults(model: ModelSource, mode: str) -> tuple[dict[str, Any], str | None]:
     """vLLM's ``--generation-config``: (sampling defaults, the file they came from).
 
     ``auto`` reads the checkpoint's generation_config.json, ``vllm`` none, any
@@ -131,7 +106,7 @@ def generation_defaults(model: str, mode: str) -> tuple[dict[str, Any], str | No
     """
     if mode == "vllm":
         return {}, None
-    directory = model_dir(model) if mode == "auto" else Path(mode).expanduser()
+    directory = model.path if mode == "auto" else Path(mode).expanduser()
     if mode != "auto" and not directory.is_dir():
         raise MoetraceError(f"--generation-config {mode}: not auto, vllm or a directory")
     path = directory / "generation_config.json"
@@ -157,11 +132,6 @@ def generation_defaults(model: str, mode: str) -> tuple[dict[str, Any], str | No
     return defaults, str(path)
 
 
-def model_context_length(model: str, config: dict, max_model_len: int | None) -> int:
-    limit = int(config.get("max_position_embeddings", 32768))
-    return min(limit, max_model_len) if max_model_len else limit
-
-
 def eos_token_ids(tokenizer: Tokenizer | None, config: dict) -> tuple[int, ...]:
     """Ids that end generation: the tokenizer's, else config.json's ``eos_token_id``."""
     eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
@@ -172,10 +142,8 @@ def eos_token_ids(tokenizer: Tokenizer | None, config: dict) -> tuple[int, ...]:
 
 
 def model_metadata(
-    model_name: str,
+    source: ModelSource,
     engine: LLMEngine,
-    architecture: str,
-    digest: str,
     tokenizer: Tokenizer | None,
     engine_settings: dict,
     *,
@@ -188,9 +156,9 @@ def model_metadata(
     """
     model = engine.model
     return TraceMetadata(
-        model=model_name,
-        architecture=architecture,
-        config_digest=digest,
+        model=source.name,
+        architecture=engine.model.architecture,
+        config_digest=source.config_digest,
         num_hidden_layers=len(getattr(model, "layers", [])),
         moe_layer_indices=list(model.moe_layer_indices),
         num_experts=model.num_experts,
@@ -213,9 +181,9 @@ def _tokenizer_files(tokenizer: Tokenizer | None) -> dict[str, bytes]:
 
 
 class RunSpec(Protocol):
-    """What ``load_engine`` reads of a ``Recording`` or a ``Server``."""
+    """What ``load_engine`` reads of a ``Recording``, a ``Replay`` or a ``Server``."""
 
-    model_name: str
+    model: ModelSource
     device: torch.device
     dtype: str
     load_format: str
@@ -239,7 +207,7 @@ def load_engine(run: RunSpec) -> ReadyEngine:
         start_compile_workers()  # forked before the weights load; compile while they do
     try:
         loaded = load_model_for_rank(
-            run.model_name,
+            run.model,
             device=device,
             dtype=run.dtype,
             load_format=run.load_format,

@@ -16,6 +16,7 @@ from moetrace.engine.llm_engine import request_problem
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import ModelError
 from moetrace.inputs.tokenizer import Tokenizer
+from moetrace.models.source import ModelSource
 from moetrace.runs.setup import generation_defaults as checkpoint_generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.protocol import FieldProblem
@@ -26,7 +27,7 @@ from moetrace.trace.wire import float32_base64, hidden_layer_rows, int32_base64,
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
-def generation_defaults(model: str, mode: str) -> dict[str, Any]:
+def generation_defaults(model: ModelSource, mode: str) -> dict[str, Any]:
     """Sampling defaults: vLLM's, overridden by the checkpoint's generation_config.json (auto)."""
     found, _ = checkpoint_generation_defaults(model, mode)
     return {**OPENAI_SAMPLING_DEFAULTS, **found}

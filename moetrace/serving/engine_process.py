@@ -32,6 +32,7 @@ from moetrace.engine.heap import freeze_start_up_heap
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.engine.request import Request, TokenLogprob
 from moetrace.errors import CapacityError
+from moetrace.models.source import ModelSource
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.records import FinishedRequest
 
@@ -42,7 +43,7 @@ SIGNALS = {signal.SIGINT, signal.SIGTERM}
 class EngineSpec:
     """What the child needs to build the engine the parent would have built."""
 
-    model_name: str
+    model: ModelSource
     device: str  # resolved: "cuda" or "cpu"
     dtype: str
     load_format: str
@@ -148,20 +149,13 @@ def _build(spec: EngineSpec) -> tuple[LLMEngine, Ready]:
 
     from moetrace.runs.setup import load_engine, load_tokenizer, model_metadata
 
-    run = _Run(spec, torch.device(spec.device), load_tokenizer(spec.model_name))
+    run = _Run(spec, torch.device(spec.device), load_tokenizer(spec.model))
     loaded = load_engine(run)
     engine = loaded.engine
     model = loaded.loaded.model
     metadata = None
     if spec.metadata:
-        metadata = model_metadata(
-            spec.model_name,
-            engine,
-            model.architecture,
-            loaded.loaded.config_digest,
-            run.tokenizer,
-            {},
-        )
+        metadata = model_metadata(spec.model, engine, run.tokenizer, {})
     ready = Ready(
         pid=os.getpid(),
         eos_token_ids=tuple(loaded.eos_token_ids),
@@ -188,8 +182,8 @@ class _Run:
     tokenizer: object
 
     @property
-    def model_name(self) -> str:
-        return self.spec.model_name
+    def model(self) -> ModelSource:
+        return self.spec.model
 
     @property
     def dtype(self) -> str:

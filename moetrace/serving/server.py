@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 import time
@@ -24,17 +25,13 @@ from pathlib import Path
 import uvicorn
 
 from moetrace import __version__, envs
-from moetrace.config import EngineConfig
 from moetrace.engine.heap import freeze_start_up_heap
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.errors import MoetraceError
-from moetrace.models.demo import model_dir
-from moetrace.models.loader import read_config
-from moetrace.models.registry import resolve_architecture
 from moetrace.runs.setup import (
+    RunOptions,
     load_engine,
     load_tokenizer,
-    model_context_length,
     model_metadata,
     resolve_device,
 )
@@ -122,12 +119,8 @@ class Server:
 
     def __init__(
         self,
-        model: str,
+        run: RunOptions,
         *,
-        engine: EngineConfig,
-        device: str = "auto",
-        dtype: str = "auto",
-        load_format: str = "auto",
         host: str = "127.0.0.1",
         port: int = 8000,
         served_model_names: list[str] | None = None,
@@ -140,9 +133,9 @@ class Server:
         shutdown_timeout_s: float = 30.0,
         generation_config: str = "auto",
         log_level: str = "warning",
-        extra_settings: dict | None = None,
         engine_in_process: bool = True,
     ) -> None:
+        engine = dataclasses.replace(run.engine)  # capture is set below, for this server
         engine.validate()
         if shutdown_timeout_s < 0:
             raise MoetraceError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout_s:g}")
@@ -153,12 +146,12 @@ class Server:
         if flush_interval_s <= 0 or flush_every_requests < 1:
             raise MoetraceError("--flush-interval must be > 0 and --flush-every at least 1")
         self.switch_interval_s = switch_interval_s()
-        self.model_name = model
-        self.device = resolve_device(device)
-        self.dtype = dtype
-        self.load_format = load_format
+        self.model = run.model
+        self.device = resolve_device(run.device)
+        self.dtype = run.dtype
+        self.load_format = run.load_format
         self.host, self.port = host, port
-        self.served_model_names = served_model_names or [model]
+        self.served_model_names = served_model_names or [run.model.name]
         self.return_routed_experts = return_routed_experts
         self.return_routed_weights = return_routed_weights
         self.trace_out = Path(trace_out) if trace_out else None
@@ -167,7 +160,7 @@ class Server:
         self.flush_every_requests = flush_every_requests
         self.shutdown_timeout_s = shutdown_timeout_s
         self.log_level = log_level
-        self.extra_settings = dict(extra_settings or {})
+        self.extra_settings = {**run.extra_settings, **run.model.provenance()}
         self.engine_in_process = engine_in_process
         if self.trace_out is not None:
             self._check_trace_out(self.trace_out)
@@ -180,11 +173,9 @@ class Server:
         if not return_routed_weights:
             engine.capture_weights = None  # nobody would read them
         self.engine_config = engine
-        self.config = read_config(model_dir(model))
-        resolve_architecture(self.config, model)
-        self.tokenizer = load_tokenizer(model)
-        self.max_model_len = model_context_length(model, self.config, engine.max_model_len)
-        self.sampling_defaults = generation_defaults(model, generation_config)
+        self.tokenizer = load_tokenizer(run.model)
+        self.max_model_len = run.model.context_length(engine.max_model_len)
+        self.sampling_defaults = generation_defaults(run.model, generation_config)
 
     def _check_trace_out(self, out: Path) -> None:
         if out.is_dir():
@@ -215,14 +206,7 @@ class Server:
         loaded, engine = ready.loaded, ready.engine
         metadata = None
         if self.trace_out is not None:
-            metadata = model_metadata(
-                self.model_name,
-                engine,
-                loaded.model.architecture,
-                loaded.config_digest,
-                self.tokenizer,
-                {},
-            )
+            metadata = model_metadata(self.model, engine, self.tokenizer, {})
         facts = ModelFacts(
             num_hidden_layers=len(getattr(loaded.model, "layers", [])),
             moe_layer_indices=list(loaded.model.moe_layer_indices),
@@ -237,7 +221,7 @@ class Server:
     ) -> tuple[RemoteEngine, ModelFacts, tuple[int, ...], TraceMetadata | None]:
         """The engine in a process of its own (engine_process.py says why)."""
         spec = EngineSpec(
-            model_name=self.model_name,
+            model=self.model,
             device=self.device.type,
             dtype=self.dtype,
             load_format=self.load_format,
@@ -347,7 +331,7 @@ class Server:
             tokenizer=self.tokenizer,
             model=facts,
             served_model_names=self.served_model_names,
-            model_path=self.model_name,
+            model_path=self.model.name,
             max_model_len=engine.max_model_len,
             num_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.config.block_size,

@@ -279,7 +279,7 @@ def test_missing_token_ids_become_placeholders(planted, tmp_path):
 def test_model_shape_from_configs(tmp_path):
     from moetrace.analysis.importers import config_digest, model_shape
     from moetrace.models.demo import DEMO_CONFIG
-    from moetrace.models.loader import config_digest as loader_digest
+    from moetrace.models.source import config_digest as loader_digest
 
     demo = model_shape("demo")
     assert demo.moe_layer_indices == [1, 2, 3]  # layer 0 of the demo is dense

@@ -51,6 +51,7 @@ from moetrace.errors import ModelError, MoetraceError
 from moetrace.models.loader import load_model
 from moetrace.models.weights import Target
 from moetrace.runs.recording import Recording, SamplingDefaults
+from moetrace.runs.setup import RunOptions
 
 CPU = torch.device("cpu")
 
@@ -146,13 +147,15 @@ def _moetrace(*args: str, env: dict | None = None, launcher: list[str] | None = 
 
 def _record_tp1(checkpoint: str, prompts: Path, out: Path) -> None:
     Recording(
-        checkpoint,
+        RunOptions.of(
+            checkpoint,
+            engine=EngineConfig(num_kv_blocks=64, block_size=4),
+            device="cpu",
+            dtype="float64",
+        ),
         str(prompts),
         out,
-        engine=EngineConfig(num_kv_blocks=64, block_size=4),
         sampling=SamplingDefaults(max_tokens=6),
-        device="cpu",
-        dtype="float64",
     ).run()
 
 
@@ -372,13 +375,15 @@ def test_metadata_records_parallel_settings_but_resume_ignores_them(checkpoints,
 
     prompts = write_prompts(tmp_path / "p.jsonl", {"a": [1, 2, 3]})
     rec = Recording(
-        checkpoints["qwen3"],
+        RunOptions.of(
+            checkpoints["qwen3"],
+            engine=EngineConfig(num_kv_blocks=8, block_size=4),
+            device="cpu",
+            extra_settings=_tp(2).to_dict(),
+        ),
         str(prompts),
         tmp_path / "t.h5",
-        engine=EngineConfig(num_kv_blocks=8, block_size=4),
         sampling=SamplingDefaults(max_tokens=2),
-        device="cpu",
-        extra_settings=_tp(2).to_dict(),
     )
     settings = rec._engine_settings(64, 8)
     assert settings["tensor_parallel_size"] == 2

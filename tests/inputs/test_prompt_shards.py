@@ -22,6 +22,7 @@ from moetrace.errors import MoetraceError
 from moetrace.inputs.prompts import iter_prompts
 from moetrace.inputs.shards import ShardedPrompts, check_shard_set, in_shard
 from moetrace.runs.recording import Recording, SamplingDefaults
+from moetrace.runs.setup import RunOptions
 
 NUM_SHARDS = 3
 
@@ -45,14 +46,16 @@ def setup(tmp_path_factory):
 
 def record(ckpt, prompts, out, **shard) -> None:
     Recording(
-        str(ckpt),
+        RunOptions.of(
+            str(ckpt),
+            engine=EngineConfig(num_kv_blocks=64, block_size=4),
+            device="cpu",
+            dtype="float64",
+        ),
         str(prompts),
         out,
-        engine=EngineConfig(num_kv_blocks=64, block_size=4),
-        # Sampled without per-line seeds: each request's seed comes from its input index.
+        # Sampled without per-line seeds: each request's seed comes from its input index.,
         sampling=SamplingDefaults(max_tokens=5, temperature=0.8, top_p=0.9),
-        device="cpu",
-        dtype="float64",
         **shard,
     ).run()
 

@@ -16,6 +16,7 @@ from support.hf_reference import capture_router_calls, load_reference_model, ref
 from moetrace.inputs.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer
 from moetrace.models.demo import DEMO_CONFIG, DEMO_DIR, model_dir
 from moetrace.models.loader import load_model
+from moetrace.models.source import resolve_model
 from moetrace.runs.setup import load_tokenizer
 
 CODE = '''def merge_intervals(pairs):
@@ -82,11 +83,11 @@ def test_loads_in_transformers_without_missing_or_extra_weights():
 
 def test_loads_in_moetrace(demo32):
     model = demo32.model
-    assert demo32.source == "demo" and demo32.path == DEMO_DIR
+    assert demo32.source.name == "demo" and demo32.path == DEMO_DIR
     assert demo32.dtype == torch.float32
     assert model.moe_layer_indices == [1, 2, 3]  # layer 0 is dense
     assert (model.num_experts, model.top_k, model.vocab_size) == (16, 2, 260)
-    tok = load_tokenizer("demo")
+    tok = load_tokenizer(resolve_model("demo"))
     assert tok is not None and tok.encode(CODE) == _ids(CODE)
     assert tok.eos_token_ids == [BYTE_EOS_ID]
 

@@ -21,6 +21,7 @@ from support.prompt_lines import lines, near_valid
 from moetrace.config import EngineConfig
 from moetrace.errors import MoetraceError
 from moetrace.runs.recording import Recording, SamplingDefaults
+from moetrace.runs.setup import RunOptions
 
 EXAMPLES = int(os.environ.get("MOETRACE_FUZZ_EXAMPLES", "60"))
 
@@ -49,12 +50,12 @@ def _check(raw: bytes, skip: bool, max_model_len: int) -> None:
         path.write_bytes(raw)
         try:
             rec = Recording(
-                "demo",
+                RunOptions.of(
+                    "demo", engine=EngineConfig(max_model_len=max_model_len), device="cpu"
+                ),
                 str(path),
                 Path(tmp) / "t.h5",
-                engine=EngineConfig(max_model_len=max_model_len),
                 sampling=SamplingDefaults(max_tokens=4),
-                device="cpu",
                 skip_invalid=skip,
             )
         except MoetraceError as exc:

@@ -32,6 +32,7 @@ from support.traces import make_metadata, mixed_requests
 from moetrace.config import EngineConfig
 from moetrace.errors import MoetraceError
 from moetrace.runs.recording import Recording, SamplingDefaults
+from moetrace.runs.setup import RunOptions
 from moetrace.signals import GracefulStop, Interrupted
 from moetrace.trace.records import REQUESTS, ROUTED_EXPERTS, TOKEN_IDS
 from moetrace.trace.verify import verify_trace
@@ -60,12 +61,14 @@ class StopAfter(GracefulStop):
 
 def interrupted_run(model: Path, prompts: Path, out: Path, after: int) -> None:
     recording = Recording(
-        str(model),
+        RunOptions.of(
+            str(model),
+            engine=EngineConfig(max_num_seqs=2, num_kv_blocks=64, block_size=4),
+            load_format="dummy",
+        ),
         str(prompts),
         out,
-        engine=EngineConfig(max_num_seqs=2, num_kv_blocks=64, block_size=4),
         sampling=SamplingDefaults(max_tokens=6),
-        load_format="dummy",
         flush_every_requests=3,
     )
     stop = StopAfter(after)

@@ -31,6 +31,7 @@ from moetrace import open_trace
 from moetrace.config import EngineConfig
 from moetrace.runs.recording import Recording, SamplingDefaults
 from moetrace.runs.replay import Replay
+from moetrace.runs.setup import RunOptions
 
 PROMPTS = [
     {"id": "a", "prompt_token_ids": [5, 17, 42, 8, 99, 3, 61, 7]},
@@ -131,21 +132,23 @@ def record_in_process(ckpt, out) -> str:
     prompts = out.with_suffix(".jsonl")
     prompts.write_text("".join(json.dumps(x) + "\n" for x in PROMPTS))
     Recording(
-        str(ckpt),
+        RunOptions.of(
+            str(ckpt),
+            engine=EngineConfig(num_kv_blocks=128, block_size=4),
+            device="cpu",
+            dtype="float32",
+        ),
         str(prompts),
         out,
-        engine=EngineConfig(num_kv_blocks=128, block_size=4),
         sampling=SamplingDefaults(max_tokens=8, ignore_eos=True, logprobs=True),
-        device="cpu",
-        dtype="float32",
     ).run()
     return str(out)
 
 
 def replay_in_process(trace: str, ckpt, out, *, force_routing: bool) -> dict:
-    engine = EngineConfig(num_kv_blocks=128, block_size=4, force_routing=force_routing)
-    run = Replay(trace, str(ckpt), out, engine=engine, device="cpu", dtype="float32",
-                 force_routing=force_routing)  # fmt: skip
+    engine = EngineConfig(num_kv_blocks=128, block_size=4)
+    options = RunOptions.of(str(ckpt), engine=engine, device="cpu", dtype="float32")
+    run = Replay(trace, options, out, force_routing=force_routing)
     return run.run().report
 
 

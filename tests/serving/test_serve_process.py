@@ -154,11 +154,12 @@ def test_the_engine_process_may_start_processes_of_its_own():
     """On CUDA the engine forks Triton's compile workers while it loads; a daemonic
     process may not have children, and the first H200 start failed on exactly that."""
     from moetrace.config import EngineConfig
+    from moetrace.models.source import resolve_model
     from moetrace.serving.engine_process import EngineSpec
     from moetrace.serving.remote_engine import RemoteEngine
 
     spec = EngineSpec(
-        model_name="demo",
+        model=resolve_model("demo"),
         device="cpu",
         dtype="auto",
         load_format="auto",

@@ -33,6 +33,7 @@ from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.step_sync import end_steps
 from moetrace.models.loader import fill_dummy, instantiate
+from moetrace.models.source import resolve_model
 from support.engine import shared_prefix_prompts, tiny_qwen3_config
 
 CPU = torch.device("cpu")
@@ -198,7 +199,12 @@ def run_tensor_parallel(scenarios: list[Scenario], tmp: Path, world: int = 2) ->
             scenario.name,
             ParallelConfig(world, scenario.expert_parallel, scenario.sequence_parallel),
             WorkerSpec(
-                scenario.model, "cpu", "float64", scenario.load_format, 0, engine_config(scenario)
+                resolve_model(scenario.model),
+                "cpu",
+                "float64",
+                scenario.load_format,
+                0,
+                engine_config(scenario),
             ),
             partial(run_engine, scenario, default_prompts()),
         )
@@ -281,7 +287,7 @@ def run_bf16_router_group(
         (
             expert_parallel,
             ParallelConfig(2, expert_parallel),
-            WorkerSpec(str(model_dir), device_type, "bfloat16", "dummy", 0, engine),
+            WorkerSpec(resolve_model(str(model_dir)), device_type, "bfloat16", "dummy", 0, engine),
             partial(router_inputs_and_rows, str(model_dir), device, engine, prompts),
         )
         for expert_parallel in (False, True)

@@ -153,18 +153,21 @@ def record_dummy_trace(
     import json
 
     from moetrace.runs.recording import Recording, SamplingDefaults
+    from moetrace.runs.setup import RunOptions
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "t.h5"
     Recording(
-        str(checkpoint),
+        RunOptions.of(
+            str(checkpoint),
+            engine=EngineConfig(num_kv_blocks=16, block_size=4),
+            device="cpu",
+            load_format="dummy",
+        ),
         str(prompts),
         out,
-        engine=EngineConfig(num_kv_blocks=16, block_size=4),
         sampling=SamplingDefaults(max_tokens=max_tokens),
-        device="cpu",
-        load_format="dummy",
         **options,
     ).run()
     return out
