@@ -38,7 +38,7 @@ from moetrace.engine.step_plan import StepPlan
 from moetrace.forward_context import AttentionMetadata, forward_context
 
 if TYPE_CHECKING:
-    from moetrace.engine.model_runner import ModelRunner
+    from moetrace.models.base import MoEForCausalLM
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -102,22 +102,28 @@ class StepBuffers:
 class StepGraphs:
     def __init__(
         self,
-        runner: ModelRunner,
+        model: MoEForCausalLM,
+        device: torch.device,
         max_tokens: int,
         max_seqs: int,
         *,
+        block_size: int,
+        scratch_block: int,
+        max_model_len: int,
         max_graph_tokens: int,
         use_graphs: bool,
     ) -> None:
-        self.runner = runner
+        self.model = model
+        self.block_size = block_size
+        self.max_model_len = max_model_len
         self.max_seqs = max_seqs
         self.sizes = token_buckets(max_tokens)
         self.graph_sizes = [b for b in self.sizes if b <= max_graph_tokens] if use_graphs else []
-        dev = runner.device
-        bs = runner.block_size
-        self.scratch_block = runner.scratch_block
+        dev = device
+        bs = block_size
+        self.scratch_block = scratch_block
         max_s = self.seqs_for(self.sizes[-1])
-        max_width = max(-(-runner.max_model_len // bs), -(-self.sizes[-1] // bs))
+        max_width = max(-(-max_model_len // bs), -(-self.sizes[-1] // bs))
         n64, n32 = StepBuffers.capacity(self.sizes[-1], max_s, max_width)
         self.dev_i64 = torch.zeros(n64, dtype=torch.int64, device=dev)
         self.dev_i32 = torch.zeros(n32, dtype=torch.int32, device=dev)
@@ -162,7 +168,7 @@ class StepGraphs:
         s = 0 if plan is None else plan.num_seqs
         pad = size - n
         per_token = self.pads_per_token(plan, size)
-        bs = self.runner.block_size
+        bs = self.block_size
         slot = self.turn
         self.turn ^= 1
         event = self.copied[slot]
@@ -223,8 +229,8 @@ class StepGraphs:
             seq_lens=buf.seq_lens,
             block_tables=buf.tables,
             max_query_len=max_query_len,
-            max_seq_len=self.runner.max_model_len,
-            block_size=self.runner.block_size,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
             query_start_loc_host=[],
             seq_lens_host=[],
             min_query_len=min_query_len,
@@ -234,7 +240,7 @@ class StepGraphs:
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         """Logits of every sequence slot's sampled row: ``[seqs_for(size), vocab]``."""
         buf = self.buffers[size]
-        model = self.runner.model
+        model = self.model
         with forward_context(meta):
             hidden = model(buf.ids, buf.positions)
         return model.compute_logits(hidden[buf.rows])
@@ -289,7 +295,7 @@ class StepGraphs:
         if fill is not None:
             buf.ids.index_copy_(0, *fill)
         with forward_context(meta):
-            hidden = self.runner.model(buf.ids, buf.positions)
+            hidden = self.model(buf.ids, buf.positions)
         return hidden, buf.rows[: len(plan.logits_rows)]
 
     def run(self, plan: StepPlan, fill: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -139,9 +139,13 @@ class ModelRunner:
         # Tensor parallel runs eager: graphs with collectives inside are untested (docs/distributed.md).
         if self.use_kernels and all_kernel and self.parallel is None:
             self.graphs = StepGraphs(
-                self,
+                model,
+                device,
                 config.max_num_batched_tokens,
                 config.max_num_seqs,
+                block_size=self.block_size,
+                scratch_block=self.scratch_block,
+                max_model_len=max_model_len,
                 max_graph_tokens=config.max_cudagraph_capture_size,
                 use_graphs=not config.enforce_eager,
             )

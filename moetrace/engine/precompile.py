@@ -57,10 +57,6 @@ def stop_compile_workers() -> None:
         _POOL = None
 
 
-def compile_workers_running() -> bool:
-    return _POOL is not None
-
-
 @dataclass
 class PrecompileReport:
     variants: int
