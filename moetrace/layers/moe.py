@@ -130,8 +130,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # Steps of up to this many tokens route through the fused Triton kernel where a
 # layer's experts run on the fused-MoE kernel (``kernels/triton_routing.py``),
 # prefill chunks included: with the pairs grouped in the same launch it beats
-# the torch ops at every size measured (H200, ``benchmarks/routing.py``: 12-14 us
-# against 31-36 at T=256, 38-44 against 114-142 at 8192).  The cap bounds its
+# the torch ops at every size measured (H200, docs/benchmarks.md).  The cap bounds its
 # per-call table (experts x tokens int32: 32 MB at 128 experts); larger steps take
 # the torch ops.  Decided by the step's size, so a captured graph always holds one
 # path.  Its ids are CUDA ``torch.topk``'s on every row, ties included, and its
