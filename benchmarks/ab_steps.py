@@ -1,15 +1,15 @@
 """``throughput.py`` in fresh processes, one a variant and round, its figures side by side.
 
-    python benchmarks/ab_steps.py --variant default= --variant divide=MOETRACE_SINK_RECIPROCAL=0 \\
-        --variant old@out/old= --rounds 2 -- \\
+    mkdir -p out/old && git archive 882c7eb moetrace benchmarks | tar -x -C out/old
+    python benchmarks/ab_steps.py --variant old@out/old= --variant new= --rounds 2 -- \\
         --config gpt-oss-20b --num-prompts 256 --output-len 64 --hf '' --repeats 1 --warmup-tokens 32
 
 A variant is ``LABEL[@TREE]=[NAME=VALUE[,NAME=VALUE...]]``: environment settings
-for its processes (the engine's opt-in knobs are environment variables) and,
-with ``@TREE``, another source tree to run (an older commit unpacked by
-``git archive``), whose ``benchmarks/throughput.py`` runs with the tree first
-on ``PYTHONPATH``.  Everything after ``--`` goes to every ``throughput.py``.
-Each round runs every variant once in a process of its own, the order
+for its processes and, with ``@TREE``, another source tree to run (a commit
+unpacked by ``git archive``), whose ``benchmarks/throughput.py`` runs with the
+tree first on ``PYTHONPATH``; an older tree's own switches are set that way.
+Everything after ``--`` goes to every ``throughput.py``.  Each round runs
+every variant once in a process of its own, the order
 reversed on odd rounds, so that a first-run cost or a machine's drift weighs
 on all alike.  A table per config follows: each variant's output tok/s with
 capture (and on/off), its batch decode step with and without capture, the HBM

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import graph_replay
 import torch
 import triton
 from triton.testing import do_bench
@@ -63,9 +62,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` itself in smoke runs (no CUDA), else its CUDA-graph replay."""
-    return fn if SMOKE else graph_replay.graphed(fn)
+def graphed(fn: Callable[[], object], *, warmups: int = 1) -> Callable[[], object]:
+    """``fn``'s CUDA-graph replay (the engine replays its steps, so kernels are timed as
+    replays too): ``fn`` runs ``warmups`` times on a side stream first, so that Triton
+    compiles and the allocator settles outside the capture.  ``fn`` itself without CUDA."""
+    if not torch.cuda.is_available():
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def try_bench(
@@ -123,15 +135,11 @@ def ceilings() -> None:
 # ---------------------------------------------------------------------------
 
 
-def paged_batch(
-    q_lens: list[int],
-    seq_lens: list[int],
-    heads: int,
-    kv_heads: int,
-    dim: int,
-    block_size: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random paged batch: blocks assigned by a random permutation (fragmented cache)."""
+def paged_metadata(
+    q_lens: list[int], seq_lens: list[int], block_size: int = 16
+) -> tuple[AttentionMetadata, int]:
+    """A step's metadata over a paged cache whose blocks are placed by a random permutation
+    (a fragmented cache), and the cache's block count."""
     nblk = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(nblk)
     perm = torch.randperm(num_blocks, device=DEV).to(torch.int32)
@@ -140,9 +148,6 @@ def paged_batch(
     for b, n in enumerate(nblk):
         tables[b, :n] = perm[used : used + n]
         used += n
-    shape = (num_blocks, block_size, kv_heads, dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=DEV)
-    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=DEV)
     qsl = [0]
     for q in q_lens:
         qsl.append(qsl[-1] + q)
@@ -160,8 +165,25 @@ def paged_batch(
         block_size=block_size,
         query_start_loc_host=qsl,
         seq_lens_host=list(seq_lens),
+        min_query_len=min(q_lens),
     )
-    q = torch.randn(qsl[-1], heads, dim, dtype=torch.bfloat16, device=DEV)
+    return meta, num_blocks
+
+
+def paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random queries and K/V caches of a step (``paged_metadata``)."""
+    meta, num_blocks = paged_metadata(q_lens, seq_lens, block_size)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=DEV)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(sum(q_lens), heads, dim, dtype=torch.bfloat16, device=DEV)
     return q, k_cache, v_cache, meta
 
 
@@ -462,7 +484,7 @@ def gpt_oss() -> None:
             what = f"moe gpt-oss-20b {kind} T{tokens}"
             default = tm.moe_config(tokens, 4, 32)
             sweep = MOE_SWEEP
-            if layout == "fragment":  # its tiles: benchmarks/moe_tiles.py --shapes gpt-oss-mx-frag
+            if layout == "fragment":  # its tiles: benchmarks/tune.py moe --shapes gpt-oss-20b
                 default = tm.moe_config(tokens, 4, 32, mxfp4=True, layout=layout)
                 sweep = []
             for cfg in dict.fromkeys([default, *sweep]):

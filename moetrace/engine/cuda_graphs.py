@@ -11,11 +11,10 @@ the same padded forward eagerly.
 
 Decode-only steps get graphs of their own.  The mixed graph launches the
 attention kernel's prefill class too, whose programs find no work in a
-decode step and return, which still cost 6-14 µs a layer on the H200
-(``benchmarks/attention_tiles.py``, docs/benchmarks.md).  A decode-only step
-whose padding fits the sequence slots pads with one-token sequences instead
-of one long one, so every query is a decode query and its graph launches the
-decode class alone.
+decode step and return, which still cost several µs a layer on the H200
+(docs/benchmarks.md).  A decode-only step whose padding fits the sequence
+slots pads with one-token sequences instead of one long one, so every query
+is a decode query and its graph launches the decode class alone.
 
 Why pad eager steps too: a step's results then never depend on whether a graph
 ran it (the same kernels see the same shapes), and the kernels see a bounded

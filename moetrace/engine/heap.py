@@ -2,11 +2,10 @@
 
 Once torch, the model and the engine are built, the heap holds a few hundred
 thousand objects that live until the process ends; every full (oldest-
-generation) collection walks all of them.  Serving 1,024 requests on a stub
-engine, the one full collection took 152 ms of the event loop and all of the
-collector's work 0.2 ms per request; with the start-up heap frozen, 27 ms and
-0.07 ms (``benchmarks/serve_http_cost.py``, CI machine).  A pause like that
-holds up every request in flight, or, in the engine's process, a step.
+generation) collection walks all of them: on a served burst, a pause of
+over a hundred milliseconds of the event loop (docs/benchmarks.md).  A pause
+like that holds up every request in flight, or, in the engine's process, a
+step.
 
 Only for processes that end with their work (the server, its engine
 process): objects alive at the freeze are never collected as cycles, so a

@@ -41,7 +41,7 @@ Rope = Callable[[torch.Tensor], torch.Tensor]  # [tokens, heads, rope_dim] → r
 MAX_SCORE_ELEMENTS = 1 << 28
 # Steps of this many tokens or more (padded) run prompt tokens through the expanded form: they
 # are mostly prompt tokens (at most max_num_seqs decodes), so its GEMM over the step's rows is
-# not spent on decodes.  Not measured yet: benchmarks/mla_kernels.py's prefill rows decide.
+# not spent on decodes.  Not measured yet: ``benchmarks/tune.py mla``'s prefill rows decide.
 EXPAND_MIN_TOKENS = 2048
 
 

@@ -48,9 +48,9 @@ class Base64Text:
 
     Base64 needs no JSON escaping, yet ``json.dumps`` scans every character
     of a string for it: for the routed experts of a 384-token OLMoE request
-    (a 65 KB string) that scan took 18 times as long as the ``np.save`` and
-    base64 that made it (``benchmarks/serve_http_cost.py``).  ``dumps``
-    writes a marker in its place and splices the text in afterwards.
+    (a 65 KB string) that scan took longer than the ``np.save`` and base64
+    that made it (docs/benchmarks.md).  ``dumps`` writes a marker in its
+    place and splices the text in afterwards.
     """
 
     __slots__ = ("text",)

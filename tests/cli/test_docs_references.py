@@ -57,3 +57,30 @@ def test_every_method_named_on_a_moetrace_class_exists():
                 if cls in classes and attr not in classes[cls]:
                     missing.append(f"{doc.name}:{lineno}: {cls}.{attr}")
     assert missing == []
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _headings(doc: Path) -> set[str]:
+    """The anchors of a doc's headings (lines in code fences are not headings)."""
+    out, fenced = set(), False
+    for line in doc.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and (match := re.match(r"#+ (.+)$", line)):
+            out.add(_anchor(match.group(1)))
+    return out
+
+
+def test_every_link_into_a_doc_names_one_of_its_headings():
+    anchors = {doc.name: _headings(doc) for doc in DOCS}
+    missing = []
+    for doc in DOCS:
+        for lineno, line in enumerate(doc.read_text().splitlines(), 1):
+            for target, anchor in re.findall(r"\]\(((?:docs/)?[\w-]+\.md)?#([\w-]+)\)", line):
+                name = Path(target).name if target else doc.name
+                if anchor not in anchors.get(name, set()):
+                    missing.append(f"{doc.name}:{lineno}: {target}#{anchor}")
+    assert missing == []
