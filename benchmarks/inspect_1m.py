@@ -27,9 +27,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from moetrace.trace.metadata import expert_id_dtype
+from moetrace.trace.metadata import LIBVER, expert_id_dtype
 from moetrace.trace.records import REQUEST_DTYPE, ROUTED_EXPERTS, TOKEN_IDS
-from moetrace.trace.writer import LIBVER
 
 GEN_ROWS = 65536  # rows generated and written at a time
 

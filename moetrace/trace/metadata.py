@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import numpy as np
 
 FORMAT_NAME = "moetrace-trace"
 WEIGHT_DTYPES = ("float16", "float32")  # what routed_weights may be stored as
 FORMAT_VERSION = 2  # the newest this code reads and writes (trace-format.md)
+# Oldest on-disk structures that hold our layout: HDF5 >= 1.10 tools can read the
+# file, and a killed run leaves no "file open for write" flag that needs h5clear.
+LIBVER = ("earliest", "v110")
+
+
+def utc_now() -> str:
+    """The time as the trace's attributes write it (``created``, a resume's ``time``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def expert_id_dtype(num_experts: int) -> np.dtype:

@@ -13,7 +13,8 @@ bit for bit.
 The trace's records must also be sound: every record's offsets and lengths
 are checked (the table only), and the tail is checked against its data as the
 reader does for any incomplete file; records past the last sound one are cut
-off and redone.  Full checksums of every row are ``moetrace verify``'s job.
+off and redone (``reopen_for_append``, which the writer calls).  Full
+checksums of every row are ``moetrace verify``'s job.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.trace.checked_rows import DamagedTraceError
+from moetrace.trace.integrity import record_crc
+from moetrace.trace.metadata import LIBVER, TraceMetadata, utc_now
 from moetrace.trace.reader import Trace
+from moetrace.trace.records import ARRAYS, REQUESTS, ROWS, FlatArray, table_columns
 
 # Setting -> how the user names it; the sampling defaults are compared one by one.
 SETTING_NAMES = {
@@ -189,3 +194,91 @@ def open_resume_point(path: str | os.PathLike, wanted: dict) -> ResumePoint:
 
 def _show(value) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
+
+
+@dataclass
+class ReopenedTrace:
+    """A trace reopened for appending, cut back to the records a resume keeps."""
+
+    file: h5py.File
+    columns: tuple  # of its request table (an older file's may end earlier)
+    kept: int  # records kept
+    row_end: int  # rows (and tokens) the kept records cover
+    token_end: int
+    table_crc: int
+
+
+def reopen_for_append(
+    path: Path,
+    metadata: TraceMetadata,
+    arrays: list[FlatArray],
+    *,
+    keep_requests: int | None,
+    expected_requests: int | None,
+) -> ReopenedTrace:
+    """Open ``path`` for writing ``arrays`` after its first ``keep_requests`` records (all
+    when None), cutting off anything after them; the table shrinks first, so a crash in
+    between leaves records that still point at data."""
+    f = h5py.File(path, "r+", libver=LIBVER, rdcc_nbytes=0)
+    try:
+        _check_appendable(f, metadata, arrays)
+        table = f[REQUESTS]
+        columns = table_columns(table.dtype)
+        if columns is None:
+            raise MoetraceError("its request table has other fields")
+        n = table.shape[0] if keep_requests is None else min(table.shape[0], keep_requests)
+        kept = table[:n]
+        last = kept[-1] if n else None
+        row_end = int(last["row_start"] + last["num_rows"]) if n else 0
+        token_end = int(last["token_start"] + last["prompt_len"] + last["output_len"]) if n else 0
+        resumes = json.loads(_attr_text(f.attrs.get("resumes", "[]")) or "[]")
+        resumes.append(
+            {
+                "time": utc_now(),
+                "kept_requests": n,
+                "dropped_requests": int(table.shape[0]) - n,
+                "moetrace_version": metadata.moetrace_version,
+                "engine_settings": metadata.engine_settings,
+            }
+        )
+        table_crc = record_crc(kept)
+        f.attrs.update(complete=False, end_reason="recording")
+        table.resize(n, axis=0)
+        for array in arrays:
+            f[array.name].resize(row_end if array.along == ROWS else token_end, axis=0)
+        f.attrs.update(
+            num_requests=n,
+            num_rows=row_end,
+            num_tokens=token_end,
+            requests_crc32=table_crc,
+            resumes=json.dumps(resumes, sort_keys=True),
+        )
+        # An appending run that does not say how many it expects makes the old count stale.
+        f.attrs["expected_requests"] = -1 if expected_requests is None else expected_requests
+        f.flush()
+    except BaseException:
+        f.close()
+        raise
+    return ReopenedTrace(f, columns, n, row_end, token_end, table_crc)
+
+
+def _check_appendable(f: h5py.File, metadata: TraceMetadata, arrays: list[FlatArray]) -> None:
+    """The file holds exactly the arrays this run writes, in its shapes and dtypes."""
+    names = [a.name for a in arrays]
+    missing = [name for name in (*names, REQUESTS) if name not in f]
+    if missing:
+        raise MoetraceError(f"it lacks dataset(s) {', '.join(missing)}")
+    unwritten = [a.name for a in ARRAYS if a.name in f and a.name not in names]
+    if unwritten:
+        raise MoetraceError(f"it holds {', '.join(unwritten)}, which this run does not write")
+    for array in arrays:
+        ds, shape, dtype = f[array.name], array.shape(metadata), array.dtype(metadata)
+        if ds.shape[1:] != shape or ds.dtype != dtype:
+            raise MoetraceError(
+                f"its {array.name} entries are {ds.dtype} {list(ds.shape[1:])}, "
+                f"this run writes {dtype} {list(shape)}"
+            )
+
+
+def _attr_text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

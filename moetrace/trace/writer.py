@@ -29,7 +29,6 @@ import os
 import queue
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import h5py
@@ -49,9 +48,8 @@ from moetrace.trace.diskspace import (
 )
 from moetrace.trace.integrity import expected_num_rows, metadata_crc, record_crc, request_checksum
 from moetrace.trace.lock import TraceLock
-from moetrace.trace.metadata import FORMAT_NAME, TraceMetadata
+from moetrace.trace.metadata import FORMAT_NAME, LIBVER, TraceMetadata, utc_now
 from moetrace.trace.records import (
-    ARRAYS,
     COLUMNS,
     FINISH_REASONS,
     REQUEST_DTYPE,
@@ -63,18 +61,15 @@ from moetrace.trace.records import (
     FinishedRequest,
     encode_fields,
     format_version_for,
-    table_columns,
     table_row,
     unstorable,
     written_arrays,
 )
+from moetrace.trace.resume import reopen_for_append
 
 TOKEN_CHUNK = 16384  # 64 KiB of int32: a token is 4 bytes where its row is L * k ids
 REQUEST_CHUNK = 1024
 WRITE_BYTES = 4 << 20  # appended rows go to the file in writes of about this size
-# Oldest on-disk structures that hold our layout: HDF5 >= 1.10 tools can read the
-# file, and a killed run leaves no "file open for write" flag that needs h5clear.
-LIBVER = ("earliest", "v110")
 
 
 def _root_attrs(metadata: TraceMetadata) -> dict:
@@ -97,7 +92,7 @@ def _root_attrs(metadata: TraceMetadata) -> dict:
         "row_order": "router",
         "engine_settings": json.dumps(metadata.engine_settings, sort_keys=True),
         "moetrace_version": metadata.moetrace_version or __version__,
-        "created": _now(),
+        "created": utc_now(),
         "complete": False,
         "end_reason": "recording",
         "num_requests": 0,
@@ -186,10 +181,6 @@ def unclosed_traces() -> list[Path]:
     before the failure is on disk, as after a kill.
     """
     return list(_UNCLOSED)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 class TraceWriter:
@@ -519,77 +510,23 @@ class TraceWriter:
 
     def _open_append(self) -> h5py.File:
         """Reopen a trace, cut it back to the kept records and continue after them."""
-        md = self.metadata
-        f = h5py.File(self.path, "r+", libver=LIBVER, rdcc_nbytes=0)
-        try:
-            names = [a.name for a in self._arrays]
-            missing = [name for name in (*names, REQUESTS) if name not in f]
-            if missing:
-                raise MoetraceError(f"it lacks dataset(s) {', '.join(missing)}")
-            unwritten = [a.name for a in ARRAYS if a.name in f and a.name not in names]
-            if unwritten:
-                raise MoetraceError(
-                    f"it holds {', '.join(unwritten)}, which this run does not write"
-                )
-            table = f[REQUESTS]
-            for array in self._arrays:
-                ds, shape, dtype = f[array.name], array.shape(md), array.dtype(md)
-                if ds.shape[1:] != shape or ds.dtype != dtype:
-                    raise MoetraceError(
-                        f"its {array.name} entries are {ds.dtype} {list(ds.shape[1:])}, "
-                        f"this run writes {dtype} {list(shape)}"
-                    )
-            columns = table_columns(table.dtype)
-            if columns is None:
-                raise MoetraceError("its request table has other fields")
-            self._columns = columns
-            n = table.shape[0]
-            if self.keep_requests is not None:
-                n = min(n, self.keep_requests)
-            kept = table[:n]
-            last = kept[-1] if n else None
-            row_end = int(last["row_start"] + last["num_rows"]) if n else 0
-            token_end = (
-                int(last["token_start"] + last["prompt_len"] + last["output_len"]) if n else 0
-            )
-            resumes = json.loads(_text(f.attrs.get("resumes", "[]")) or "[]")
-            resumes.append(
-                {
-                    "time": _now(),
-                    "kept_requests": n,
-                    "dropped_requests": int(table.shape[0]) - n,
-                    "moetrace_version": md.moetrace_version,
-                    "engine_settings": md.engine_settings,
-                }
-            )
-            self._table_crc = record_crc(kept)
-            # The table first: a crash in between leaves records that still point at data.
-            f.attrs.update(complete=False, end_reason="recording")
-            table.resize(n, axis=0)
-            for array in self._arrays:
-                f[array.name].resize(row_end if array.along == ROWS else token_end, axis=0)
-            f.attrs.update(
-                num_requests=n,
-                num_rows=row_end,
-                num_tokens=token_end,
-                requests_crc32=self._table_crc,
-                resumes=json.dumps(resumes, sort_keys=True),
-            )
-            # An appending run that does not say how many it expects makes the old count stale.
-            expected = self.expected_requests
-            f.attrs["expected_requests"] = -1 if expected is None else expected
-            f.flush()
-            ends = {ROWS: row_end, TOKENS: token_end}
-            self._appenders = {
-                a.name: _ChunkAppender(f[a.name], ends[a.along]) for a in self._arrays
-            }
-        except BaseException:
-            f.close()
-            raise
-        self._requests = table
+        cut = reopen_for_append(
+            self.path,
+            self.metadata,
+            self._arrays,
+            keep_requests=self.keep_requests,
+            expected_requests=self.expected_requests,
+        )
+        self._columns = cut.columns
+        self._table_crc = cut.table_crc
+        ends = {ROWS: cut.row_end, TOKENS: cut.token_end}
+        self._appenders = {
+            a.name: _ChunkAppender(cut.file[a.name], ends[a.along]) for a in self._arrays
+        }
+        self._requests = cut.file[REQUESTS]
         self._pending = []
-        self.kept_requests = self.flushed_requests = n
-        return f
+        self.kept_requests = self.flushed_requests = cut.kept
+        return cut.file
 
     def _loop(self) -> tuple[bool, str, list[dict] | None]:
         """Take requests until the close message; return what it carries.
@@ -706,7 +643,3 @@ class TraceWriter:
         """After a failure keep emptying the queue so that no submitter blocks forever."""
         while not self._close_taken and self._queue.get()[0] is not _CLOSE:
             pass
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
