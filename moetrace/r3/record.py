@@ -1,0 +1,94 @@
+"""``record_routing``: what a transformers MoE model's own routers choose, to diff with a rollout.
+
+The trainer's routing of the rollout's tokens, in the trace's terms (one
+row per token and MoE layer, ids in router order, highest score first), so
+that ``write_trace`` and ``moetrace diff`` measure how far it is from the
+routing the rollout engine recorded: R3's router mismatch, before replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+from moetrace.errors import MoetraceError
+from moetrace.r3.layouts import BatchGeometry, split_sequences
+from moetrace.r3.model_routers import ModelRouters, RouterOutput, find_routers
+from moetrace.trace.metadata import expert_id_dtype
+
+
+class RoutingRecord:
+    """Each forward's routing while ``record_routing`` was open, in the order they ran."""
+
+    def __init__(self, routers: ModelRouters) -> None:
+        self.routers = routers
+        self.shape = routers.shape
+        self._forwards: list[tuple[BatchGeometry, list[torch.Tensor | None]]] = []
+
+    def on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        geometry = BatchGeometry.from_forward(args, kwargs)
+        self._forwards.append((geometry, [None] * len(self.routers.layers)))
+
+    def on_router(self, moe_index: int, router: nn.Module, args: tuple, output: object) -> None:
+        if not self._forwards:
+            raise MoetraceError(
+                "record_routing: a router ran outside a forward of the model given to "
+                "record_routing (call that model, not a part of it)"
+            )
+        out = RouterOutput.read(router, output, self.shape)
+        ids = out.get("ids").detach()
+        ids = ids.reshape(-1, ids.shape[-1])
+        score = self.routers.family.unsorted_by
+        if score is not None:  # router order: highest selection score first, ties kept
+            logits = out.get("logits").detach()
+            picked = score(router, logits.reshape(ids.shape[0], -1)).gather(1, ids)
+            ids = ids.gather(1, picked.argsort(dim=1, descending=True, stable=True))
+        self._forwards[-1][1][moe_index] = ids
+
+    def _rows(self, forward: int) -> np.ndarray:
+        geometry, layers = self._forwards[forward]
+        if any(ids is None for ids in layers):
+            raise MoetraceError("record_routing: a forward did not run every MoE layer")
+        rows = torch.stack(layers, dim=1).cpu().numpy()  # [B*T, moe_layers, top_k]
+        return rows.astype(expert_id_dtype(self.shape.num_experts))
+
+    @property
+    def num_forwards(self) -> int:
+        return len(self._forwards)
+
+    @property
+    def routed_experts(self) -> np.ndarray:
+        """The last forward's routing, ``(batch, tokens, moe_layers, top_k)``, padding included."""
+        if not self._forwards:
+            raise MoetraceError("record_routing: no forward ran inside the block")
+        geometry, rows = self._forwards[-1][0], self._rows(-1)
+        return rows.reshape(geometry.batch, geometry.length, *rows.shape[1:])
+
+    def sequences(self) -> list[np.ndarray]:
+        """Every forward's sequences in order, each ``(tokens, moe_layers, top_k)``: one row
+        per token (padding left out), split as ``replay_routing`` places them."""
+        return [
+            seq
+            for i, (geometry, _) in enumerate(self._forwards)
+            for seq in split_sequences(self._rows(i), geometry)
+        ]
+
+
+@contextmanager
+def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
+    """Record the routing of every forward of ``model`` inside the block (nothing changes it)."""
+    routers = find_routers(model)
+    record = RoutingRecord(routers)
+    handles = [model.register_forward_pre_hook(record.on_forward, with_kwargs=True)]
+    for i, layer in enumerate(routers.layers):
+        handles.append(layer.router.register_forward_hook(partial(record.on_router, i)))
+    try:
+        yield record
+    finally:
+        for handle in handles:
+            handle.remove()
