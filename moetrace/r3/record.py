@@ -1,9 +1,11 @@
-"""``record_routing``: what a transformers MoE model's own routers choose, to diff with a rollout.
+"""``record_routing``: the experts a transformers MoE model routes to, to diff with a rollout.
 
 The trainer's routing of the rollout's tokens, in the trace's terms (one
 row per token and MoE layer, ids in router order, highest score first), so
 that ``write_trace`` and ``moetrace diff`` measure how far it is from the
 routing the rollout engine recorded: R3's router mismatch, before replay.
+The ids are read where the experts receive them, so inside
+``replay_routing`` (in either nesting) the replayed ones are recorded.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from torch import nn
 
 from moetrace.errors import MoetraceError
 from moetrace.r3.layouts import BatchGeometry, split_sequences
-from moetrace.r3.model_routers import ModelRouters, RouterOutput, find_routers
+from moetrace.r3.model_routers import (
+    TESTED_TRANSFORMERS,
+    ModelRouters,
+    RouterOutput,
+    find_routers,
+    transformers_version,
+)
 from moetrace.trace.metadata import expert_id_dtype
 
 
@@ -29,6 +37,7 @@ class RoutingRecord:
         self.routers = routers
         self.shape = routers.shape
         self._forwards: list[tuple[BatchGeometry, list[torch.Tensor | None]]] = []
+        self._logits: dict[int, tuple[nn.Module, torch.Tensor]] = {}
 
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         geometry = BatchGeometry.from_forward(args, kwargs)
@@ -40,13 +49,24 @@ class RoutingRecord:
                 "record_routing: a router ran outside a forward of the model given to "
                 "record_routing (call that model, not a part of it)"
             )
-        out = RouterOutput.read(router, output, self.shape)
-        ids = out.get("ids").detach()
-        ids = ids.reshape(-1, ids.shape[-1])
+        logits = RouterOutput.read(router, output, self.shape).get("logits").detach()
+        self._logits[moe_index] = (router, logits.reshape(-1, logits.shape[-1]))
+
+    def on_experts(self, moe_index: int, experts: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The ids the experts get: the router's, or whatever replaced them (a replay)."""
+        given = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        ints = [a for a in given if not a.is_floating_point()]
+        if len(ints) != 1 or moe_index not in self._logits:
+            raise MoetraceError(
+                f"transformers {transformers_version()}: the experts of MoE layer "
+                f"{self.routers.layers[moe_index].index} were not called with their router's "
+                f"ids; moetrace.r3 knows the MoE blocks of transformers {TESTED_TRANSFORMERS}"
+            )
+        router, logits = self._logits.pop(moe_index)
+        ids = ints[0].detach().reshape(logits.shape[0], -1)
         score = self.routers.family.unsorted_by
         if score is not None:  # router order: highest selection score first, ties kept
-            logits = out.get("logits").detach()
-            picked = score(router, logits.reshape(ids.shape[0], -1)).gather(1, ids)
+            picked = score(router, logits).gather(1, ids)
             ids = ids.gather(1, picked.argsort(dim=1, descending=True, stable=True))
         self._forwards[-1][1][moe_index] = ids
 
@@ -87,6 +107,9 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
     handles = [model.register_forward_pre_hook(record.on_forward, with_kwargs=True)]
     for i, layer in enumerate(routers.layers):
         handles.append(layer.router.register_forward_hook(partial(record.on_router, i)))
+        handles.append(
+            layer.experts.register_forward_pre_hook(partial(record.on_experts, i), with_kwargs=True)
+        )
     try:
         yield record
     finally:
