@@ -31,14 +31,17 @@ def transformers_version() -> str:
         import transformers
     except ImportError:
         raise MoetraceError(
-            "moetrace.r3 works on Hugging Face transformers models: pip install "
-            "'transformers>=5.17'"
+            "moetrace.r3 works on Hugging Face transformers models: pip install 'moetrace[r3]'"
         ) from None
-    version = transformers.__version__
+    return supported_version(transformers.__version__)
+
+
+def supported_version(version: str) -> str:
+    """``version``, unless its MoE modules are of the 4.x kind (routing inside each block)."""
     if int(version.split(".")[0]) < 5:
         raise MoetraceError(
-            f"transformers {version}: moetrace.r3 knows the MoE modules of transformers 5 "
-            f"(tested {TESTED_TRANSFORMERS}); 4.x routes inside each block"
+            f"transformers {version}: moetrace.r3 knows the MoE modules of transformers "
+            f"{TESTED_TRANSFORMERS}; 4.x routes inside each block"
         )
     return version
 

@@ -49,6 +49,12 @@ class _Replay:
         self.router_calls = 0
 
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if cache is not None and int(getattr(cache, "get_seq_length", lambda: 0)()) > 0:
+            raise MoetraceError(
+                "replay_routing: a forward over a KV cache (as in generate) runs only the new "
+                "tokens; replay whole sequences, one forward each"
+            )
         ids, replayed = place(self.given, BatchGeometry.from_forward(args, kwargs))
         self.ids = torch.from_numpy(ids).to(self.device)
         self.replayed = torch.from_numpy(replayed).to(self.device)
@@ -70,7 +76,7 @@ class _Replay:
             raise MoetraceError(
                 f"replay_routing: MoE layer {self.routers.layers[moe_index].index} routed "
                 f"{logits.shape[0]} tokens, the forward's batch has {self.ids.shape[0]} "
-                "(a forward with a KV cache, such as generate, cannot replay whole sequences)"
+                "(the model runs its tokens in one forward to replay them)"
             )
         flat_ids = own_ids.reshape(-1, own_ids.shape[-1])
         given = self.ids[:, moe_index].to(flat_ids.dtype)
