@@ -12,6 +12,7 @@ from support.hf_reference import (
     expert_inputs,
     forced_weights,
     hooked_routers,
+    split_router_output,
 )
 
 import moetrace.r3
@@ -113,10 +114,11 @@ class _independent_replay:
         for moe_index, call in enumerate(_calls(self.model, tokens(0, 1, 2))):
 
             def hook(module, args, output, moe_index=moe_index):
-                logits, weights, ids = output
+                logits, ids, weights = split_router_output(module, output)
                 new_ids = self.flat[:, moe_index].to(ids.dtype)
                 new_weights = forced_weights(family, module, logits, new_ids)
-                return logits, new_weights.to(weights.dtype), new_ids
+                swap = {id(ids): new_ids, id(weights): new_weights.to(weights.dtype)}
+                return tuple(swap.get(id(part), part) for part in output)
 
             self.handles.append(call.router.register_forward_hook(hook))
 

@@ -40,6 +40,7 @@ __all__ = [
     "reference_logprobs",
     "reference_routing",
     "selection_scores",
+    "split_router_output",
     "topk_is_sorted",
 ]
 
@@ -441,6 +442,13 @@ def _split_router_output(
     if len(weights) != 1:
         raise RuntimeError(f"cannot find the weights in {type(router).__name__} output")
     return floats[0], ints[0], weights[0]
+
+
+def split_router_output(
+    router: nn.Module, output: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router_logits, selected ids, their weights) from a router's output, whatever its order."""
+    return _split_router_output(router, output)
 
 
 @contextmanager
