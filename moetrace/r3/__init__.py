@@ -9,7 +9,7 @@ engine's), ``record_routing`` records what it routes by itself,
 
 from __future__ import annotations
 
-from moetrace.r3.layouts import LAYOUTS, moe_layers_only
+from moetrace.r3.layouts import LAYOUTS, batch_routing, moe_layers_only
 from moetrace.r3.megatron import router_replay_indices
 from moetrace.r3.model_routers import TESTED_TRANSFORMERS
 from moetrace.r3.record import RoutingRecord, record_routing
@@ -21,6 +21,7 @@ __all__ = [
     "TESTED_TRANSFORMERS",
     "RoutedSequence",
     "RoutingRecord",
+    "batch_routing",
     "moe_layers_only",
     "record_routing",
     "replay_routing",

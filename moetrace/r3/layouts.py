@@ -78,7 +78,8 @@ def moe_layers_only(
     if layout == "moe" or num_moe == num_hidden:
         return rows
     dense = [i for i in range(num_hidden) if i not in shape.moe_layer_indices]
-    if np.any(rows[..., dense, :] != 0):
+    present = ~(rows < 0).all(axis=(-2, -1))  # rows that are there (a missing row is all -1)
+    if np.any(rows[present][..., dense, :] != 0):
         raise MoetraceError(
             f"{where}: dense layer(s) {dense} hold expert ids (vLLM's layout leaves them zero): "
             "routing of another model?"
@@ -167,17 +168,34 @@ class BatchGeometry:
             raise MoetraceError(
                 "replay_routing: the forward got neither input_ids nor inputs_embeds"
             )
-        batch, length = int(tokens.shape[0]), int(tokens.shape[1])
-        mask = _host(kwargs.get("attention_mask"))
+        return cls.of(
+            (int(tokens.shape[0]), int(tokens.shape[1])),
+            attention_mask=kwargs.get("attention_mask"),
+            position_ids=kwargs.get("position_ids"),
+            cu_seqlens=kwargs.get("cu_seq_lens_q"),
+        )
+
+    @classmethod
+    def of(
+        cls,
+        shape: tuple[int, int],
+        *,
+        attention_mask: object = None,
+        position_ids: object = None,
+        cu_seqlens: object = None,
+    ) -> BatchGeometry:
+        """A ``(batch, tokens)`` grid with its padding mask, packed positions or bounds."""
+        batch, length = shape
+        mask = _host(attention_mask)
         if mask is not None and mask.shape != (batch, length):
             raise MoetraceError(
-                f"replay_routing: attention_mask of shape {mask.shape} (a 2-D (batch, tokens) "
-                f"padding mask is needed to place per-sequence rows; the batch is {batch}x{length})"
+                f"attention_mask of shape {mask.shape}: a 2-D (batch, tokens) padding mask "
+                f"places per-sequence rows, and the batch is {batch}x{length}"
             )
-        positions = _host(kwargs.get("position_ids"))
+        positions = _host(position_ids)
         if positions is not None:
             positions = np.broadcast_to(positions.reshape(-1, length), (batch, length))
-        bounds = _host(kwargs.get("cu_seq_lens_q"))
+        bounds = _host(cu_seqlens)
         return cls(
             batch,
             length,
@@ -235,26 +253,56 @@ def place(given: GivenRouting, geometry: BatchGeometry) -> tuple[np.ndarray, np.
         if geometry.attention_mask is not None:
             replayed &= geometry.attention_mask.reshape(-1)
         return ids, replayed
-    seqs = given.sequences
+    ids = scatter(given.sequences, geometry, name="routed_experts")
+    return ids, (ids >= 0).all(axis=(1, 2))
+
+
+def scatter(seqs: list[np.ndarray], geometry: BatchGeometry, *, name: str) -> np.ndarray:
+    """Per-sequence rows on the batch's flat token grid: ``(B*T, layers, top_k)`` int64, -1
+    where a token has no row (padding, a sequence's last token given one row fewer)."""
     spans = geometry.sequences()
     if len(spans) != len(seqs):
         raise MoetraceError(
-            f"routed_experts has {len(seqs)} sequences, the batch holds {len(spans)} "
+            f"{name} has {len(seqs)} sequences, the batch holds {len(spans)} "
             "(rows of attention_mask, split where position_ids restart at 0, or cu_seq_lens_q)"
         )
-    ids = np.zeros((n, *seqs[0].shape[1:]), dtype=np.int64)
-    replayed = np.zeros(n, dtype=bool)
+    ids = np.full((geometry.batch * geometry.length, *seqs[0].shape[1:]), -1, dtype=np.int64)
     for i, (rows, span) in enumerate(zip(seqs, spans, strict=True)):
         if rows.shape[0] not in (span.size, span.size - 1):
             raise MoetraceError(
-                f"routed_experts[{i}] has {rows.shape[0]} rows, its sequence in the batch "
+                f"{name}[{i}] has {rows.shape[0]} rows, its sequence in the batch "
                 f"{span.size} tokens (want {span.size}, or {span.size - 1} without the last "
                 "token's, as the engines return)"
             )
-        at = span[: rows.shape[0]]
-        ids[at] = rows
-        replayed[at] = (rows >= 0).all(axis=(1, 2))
-    return ids, replayed
+        if rows.shape[1:] != ids.shape[1:]:
+            raise MoetraceError(f"{name}[{i}]: shape {rows.shape} unlike the first's")
+        ids[span[: rows.shape[0]]] = rows
+    return ids
+
+
+def batch_routing(
+    sequences: Sequence[object],
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sequence rows laid on a batch: ``(B, T, layers, top_k)`` int64 aligned with
+    ``input_ids`` (placed as ``replay_routing`` places them), -1 where a token has no row.
+
+    A trainer that splits and shuffles its batch by rows (TRL does) carries this tensor
+    beside ``input_ids`` and hands its slice to ``replay_routing``.
+    """
+    arrays = as_sequences(sequences)
+    if not arrays:
+        raise MoetraceError("batch_routing: no sequences")
+    geometry = BatchGeometry.of(
+        (int(input_ids.shape[0]), int(input_ids.shape[1])),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+    )
+    ids = scatter([a.astype(np.int64) for a in arrays], geometry, name="sequences")
+    return torch.from_numpy(ids.reshape(geometry.batch, geometry.length, *ids.shape[1:]))
 
 
 def split_sequences(rows: np.ndarray, geometry: BatchGeometry) -> list[np.ndarray]:

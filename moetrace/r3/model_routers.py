@@ -114,7 +114,7 @@ def find_routers(model: nn.Module) -> ModelRouters:
         )
     layers.sort(key=lambda layer: layer.index)
     first = layers[0].router
-    num_experts, top_k = int(first.weight.shape[0]), int(first.top_k)
+    num_experts, top_k = int(getattr(first, "num_experts", first.weight.shape[0])), int(first.top_k)
     if top_k >= num_experts:
         raise MoetraceError(f"the model routes every token to all {num_experts} experts")
     shape = RoutingShape(

@@ -41,7 +41,6 @@ class _Replay:
         self.model = model
         self.routers = routers
         self.given = given
-        self.device = routers.layers[0].router.weight.device
         self.ids: torch.Tensor | None = None  # [N, moe_layers, top_k]
         self.replayed: torch.Tensor | None = None  # [N] bool
         self.handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -56,8 +55,7 @@ class _Replay:
                 "tokens; replay whole sequences, one forward each"
             )
         ids, replayed = place(self.given, BatchGeometry.from_forward(args, kwargs))
-        self.ids = torch.from_numpy(ids).to(self.device)
-        self.replayed = torch.from_numpy(replayed).to(self.device)
+        self.ids, self.replayed = torch.from_numpy(ids), torch.from_numpy(replayed)
         self.handed.clear()
         if torch.is_grad_enabled() and self.model.training:
             self.forwards_with_grad += 1
@@ -79,6 +77,11 @@ class _Replay:
                 "(the model runs its tokens in one forward to replay them)"
             )
         flat_ids = own_ids.reshape(-1, own_ids.shape[-1])
+        if self.ids.device != flat_ids.device:  # once per forward: the rows go where it runs
+            self.ids, self.replayed = (
+                self.ids.to(flat_ids.device),
+                self.replayed.to(flat_ids.device),
+            )
         given = self.ids[:, moe_index].to(flat_ids.dtype)
         keep = self.replayed[:, None]
         ids = torch.where(keep, given, flat_ids)

@@ -96,3 +96,31 @@ def test_hooks_are_gone_after_the_block_even_after_an_error(model):
         with pytest.raises(MoetraceError):
             forward(model, routing(2, 4), input_ids=input_ids)
         assert torch.equal(model(input_ids=input_ids).logits, plain)
+
+
+def test_batch_routing_lays_rows_on_a_trl_shaped_batch(model):
+    """Prompts padded on the left, completions on the right, as TRL's GRPO batches are."""
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    input_ids = torch.randint(3, 290, mask.shape) * mask
+    lengths = mask.sum(dim=1).tolist()  # 4 and 6 tokens
+    seqs = [routing(1, n - 1, seed=n)[0] for n in lengths]  # the engines' rows: one fewer
+    laid = moetrace.r3.batch_routing(seqs, input_ids, attention_mask=mask)
+    assert laid.shape == (2, 6, LAYERS, TOP_K)
+    for b, rows in enumerate(seqs):
+        at = torch.nonzero(mask[b]).flatten()
+        assert torch.equal(laid[b, at[:-1]], torch.from_numpy(rows))
+        assert (laid[b, at[-1]] == -1).all() and (laid[b][mask[b] == 0] == -1).all()
+    seen = []
+    for routed, order in ((laid, [0, 1]), (seqs, [0, 1]), (laid[[1, 0]], [1, 0])):
+        kwargs = dict(input_ids=input_ids[order], attention_mask=mask[order])
+        with (
+            torch.no_grad(),
+            moetrace.r3.record_routing(model) as rec,
+            moetrace.r3.replay_routing(model, routed),
+        ):
+            model(**kwargs)
+        seen.append(rec.routed_experts[np.argsort(order)])
+    np.testing.assert_array_equal(seen[0], seen[1])
+    np.testing.assert_array_equal(seen[0], seen[2])  # rows travel with their sequence

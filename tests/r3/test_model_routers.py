@@ -6,9 +6,12 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from support.hf_reference import build_tiny_model
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 import moetrace.r3
 from moetrace.errors import MoetraceError
@@ -92,3 +95,37 @@ def test_a_wrapper_is_seen_through():
         with moetrace.r3.replay_routing(wrapper, given):
             wrapped = wrapper(input_ids=input_ids).logits
     assert torch.equal(direct, wrapped)
+
+
+@pytest.fixture
+def gloo(tmp_path):
+    """A one-process gloo group: DDP and FSDP2 wrap a model on the CPU."""
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_and_fsdp2_models_replay_as_the_bare_model(gloo):
+    given = torch.flip(routing(build_tiny_model("qwen3_moe", seed=65), length=6), dims=[-1])
+    input_ids = torch.arange(3, 9)[None]
+
+    def replayed_step(model, wrapped) -> tuple[torch.Tensor, torch.Tensor]:
+        with moetrace.r3.replay_routing(wrapped, given):
+            logits = wrapped(input_ids=input_ids, labels=input_ids).logits
+            logits.sum().backward()
+        grad = model.model.layers[2].mlp.gate.weight.grad
+        return logits.detach(), getattr(grad, "full_tensor", lambda: grad)()
+
+    bare = build_tiny_model("qwen3_moe", seed=65)
+    want = replayed_step(bare, bare)
+    ddp_model = build_tiny_model("qwen3_moe", seed=65)
+    got_ddp = replayed_step(ddp_model, DistributedDataParallel(ddp_model))
+    fsdp_model = build_tiny_model("qwen3_moe", seed=65)
+    for layer in fsdp_model.model.layers:
+        fully_shard(layer)
+    got_fsdp = replayed_step(fsdp_model, fully_shard(fsdp_model))
+    for got in (got_ddp, got_fsdp):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1])
