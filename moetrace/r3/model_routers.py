@@ -11,7 +11,11 @@ router logits ``[N, experts]``, the weights ``[N, top_k]`` and the int ids
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -163,3 +167,35 @@ class RouterOutput:
         parts = list(self.parts)
         parts[self.weights], parts[self.ids] = weights, ids
         return tuple(parts)
+
+
+class Watcher(Protocol):
+    """What a forward tells the replay or the recording, through the hooks below."""
+
+    def on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None: ...
+    def on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: object): ...
+    def on_router(self, moe_index: int, router: nn.Module, args: tuple, output: object): ...
+    def on_experts(self, moe_index: int, experts: nn.Module, args: tuple, kwargs: dict): ...
+
+
+@contextmanager
+def hooked(model: nn.Module, routers: ModelRouters, watcher: Watcher) -> Iterator[None]:
+    """``watcher`` hears each forward of ``model`` begin and end, each router's output (a
+    router hook may return a replacement) and each experts module's arguments; the hooks
+    are removed at the end, error or not."""
+    handles = [
+        model.register_forward_pre_hook(watcher.on_forward, with_kwargs=True),
+        model.register_forward_hook(watcher.on_forward_end, with_kwargs=True, always_call=True),
+    ]
+    for i, layer in enumerate(routers.layers):
+        handles.append(layer.router.register_forward_hook(partial(watcher.on_router, i)))
+        handles.append(
+            layer.experts.register_forward_pre_hook(
+                partial(watcher.on_experts, i), with_kwargs=True
+            )
+        )
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

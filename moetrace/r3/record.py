@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ from moetrace.r3.model_routers import (
     ModelRouters,
     RouterOutput,
     find_routers,
+    hooked,
     transformers_version,
 )
 from moetrace.trace.metadata import expert_id_dtype
@@ -42,6 +42,9 @@ class RoutingRecord:
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         geometry = BatchGeometry.from_forward(args, kwargs)
         self._forwards.append((geometry, [None] * len(self.routers.layers)))
+
+    def on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        pass
 
     def on_router(self, moe_index: int, router: nn.Module, args: tuple, output: object) -> None:
         if not self._forwards:
@@ -104,14 +107,5 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
     """Record the routing of every forward of ``model`` inside the block (nothing changes it)."""
     routers = find_routers(model)
     record = RoutingRecord(routers)
-    handles = [model.register_forward_pre_hook(record.on_forward, with_kwargs=True)]
-    for i, layer in enumerate(routers.layers):
-        handles.append(layer.router.register_forward_hook(partial(record.on_router, i)))
-        handles.append(
-            layer.experts.register_forward_pre_hook(partial(record.on_experts, i), with_kwargs=True)
-        )
-    try:
+    with hooked(model, routers, record):
         yield record
-    finally:
-        for handle in handles:
-            handle.remove()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from moetrace.r3.model_routers import (
     ModelRouters,
     RouterOutput,
     find_routers,
+    hooked,
     transformers_version,
 )
 
@@ -44,8 +44,9 @@ class _Replay:
         self.ids: torch.Tensor | None = None  # [N, moe_layers, top_k]
         self.replayed: torch.Tensor | None = None  # [N] bool
         self.handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.in_forward = False
         self.forwards_with_grad = 0
-        self.router_calls = 0
+        self.recomputed = 0  # router calls after their forward: gradient checkpointing's
 
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
@@ -57,8 +58,12 @@ class _Replay:
         ids, replayed = place(self.given, BatchGeometry.from_forward(args, kwargs))
         self.ids, self.replayed = torch.from_numpy(ids), torch.from_numpy(replayed)
         self.handed.clear()
+        self.in_forward = True
         if torch.is_grad_enabled() and self.model.training:
             self.forwards_with_grad += 1
+
+    def on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        self.in_forward = False
 
     def on_router(self, moe_index: int, router: nn.Module, args: tuple, output: object):
         if self.ids is None:
@@ -66,7 +71,8 @@ class _Replay:
                 "replay_routing: a router ran outside a forward of the model given to "
                 "replay_routing (call that model, not a part of it)"
             )
-        self.router_calls += 1
+        if not self.in_forward:
+            self.recomputed += 1
         out = RouterOutput.read(router, output, self.routers.shape)
         logits, own_ids, own_weights = out.get("logits"), out.get("ids"), out.get("weights")
         logits = logits.reshape(-1, logits.shape[-1])
@@ -105,11 +111,11 @@ class _Replay:
             )
 
     def check_recomputed(self) -> None:
-        """Refuse a training forward whose layers gradient checkpointing recomputes later."""
+        """Refuse a training forward whose layers gradient checkpointing recomputes later,
+        after the block (each layer runs once more in the backward of each such forward)."""
         if not self.routers.checkpointing():
             return
-        once = self.forwards_with_grad * len(self.routers.layers)
-        if self.forwards_with_grad and self.router_calls <= once:
+        if self.recomputed < self.forwards_with_grad * len(self.routers.layers):
             raise MoetraceError(
                 "replay_routing: with gradient checkpointing the MoE layers run again during "
                 "backward; call loss.backward() inside the replay_routing block"
@@ -131,15 +137,6 @@ def replay_routing(
     """
     routers = find_routers(model)
     replay = _Replay(model, routers, GivenRouting.from_user(routed_experts, routers.shape, layout))
-    handles = [model.register_forward_pre_hook(replay.on_forward, with_kwargs=True)]
-    for i, layer in enumerate(routers.layers):
-        handles.append(layer.router.register_forward_hook(partial(replay.on_router, i)))
-        handles.append(
-            layer.experts.register_forward_pre_hook(partial(replay.on_experts, i), with_kwargs=True)
-        )
-    try:
+    with hooked(model, routers, replay):
         yield
         replay.check_recomputed()
-    finally:
-        for handle in handles:
-            handle.remove()

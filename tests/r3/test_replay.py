@@ -223,21 +223,27 @@ def test_a_row_of_minus_ones_routes_by_the_model():
         assert torch.equal(mine.ids[0], given[0, 0, layer])
 
 
-def test_with_gradient_checkpointing_backward_inside_the_block_replays_the_recomputation():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_with_gradient_checkpointing_backward_inside_the_block_replays_the_recomputation(
+    reentrant,
+):
     model = build_tiny_model("qwen3_moe", seed=18)
     given = random_routing(model, BATCH, LENGTH, seed=19)
     input_ids = tokens(20)
     router = _calls(model, input_ids)[0].router
 
-    def grad(checkpointing: bool, backward_inside: bool) -> torch.Tensor:
+    def grad(checkpointing: bool, backward_inside: bool, **also) -> torch.Tensor:
         model.zero_grad()
         if checkpointing:
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant}
             )
         model.train()
         try:
             with moetrace.r3.replay_routing(model, given):
+                if also.get("no_grad_forward_first"):
+                    with torch.no_grad():
+                        model(input_ids=input_ids)
                 loss = model(input_ids=input_ids, labels=input_ids).loss
                 if backward_inside:
                     loss.backward()
@@ -251,3 +257,5 @@ def test_with_gradient_checkpointing_backward_inside_the_block_replays_the_recom
     torch.testing.assert_close(grad(True, True), grad(False, False), rtol=0, atol=0)
     with pytest.raises(MoetraceError, match="call loss.backward\\(\\) inside"):
         grad(True, False)
+    with pytest.raises(MoetraceError, match="call loss.backward\\(\\) inside"):
+        grad(True, False, no_grad_forward_first=True)  # its router calls are no recompute
