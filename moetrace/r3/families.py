@@ -71,8 +71,6 @@ class Family:
     router_path: tuple[str, ...]
     router_class: str
     weights: WeightRule
-    # The gate formula in words, for docs and errors.
-    rule: str
     # Where the router returns its ids unsorted (``topk(sorted=False)``), the score that
     # puts a recorded row in router order (highest first); None: already sorted.
     unsorted_by: SelectionScore | None = None
@@ -87,35 +85,30 @@ FAMILIES: dict[str, Family] = {
             ("mlp", "gate"),
             "Qwen3MoeTopKRouter",
             _renormalised_softmax,
-            "softmax over all experts, gathered, renormalised if norm_topk_prob",
         ),
         Family(
             "qwen2_moe",
             ("mlp", "gate"),
             "Qwen2MoeTopKRouter",
             _renormalised_softmax,
-            "softmax over all experts, gathered, renormalised if norm_topk_prob",
         ),
         Family(
             "olmoe",
             ("mlp", "gate"),
             "OlmoeTopKRouter",
             _renormalised_softmax,
-            "softmax over all experts, gathered, renormalised if norm_topk_prob",
         ),
         Family(
             "mixtral",
             ("mlp", "gate"),
             "MixtralTopKRouter",
             _mixtral,
-            "softmax over all experts, gathered, renormalised",
         ),
         Family(
             "deepseek_v2",
             ("mlp", "gate"),
             "DeepseekV2TopkRouter",
             _deepseek_v2,
-            "softmax over all experts, gathered, times routed_scaling_factor",
             unsorted_by=_probabilities,
         ),
         Family(
@@ -123,8 +116,6 @@ FAMILIES: dict[str, Family] = {
             ("mlp", "gate"),
             "DeepseekV3TopkRouter",
             _deepseek_v3,
-            "sigmoid (no correction bias), gathered, renormalised if norm_topk_prob, "
-            "times routed_scaling_factor",
             unsorted_by=_biased_sigmoid,
         ),
         Family(
@@ -132,21 +123,18 @@ FAMILIES: dict[str, Family] = {
             ("mlp", "router"),
             "GptOssTopKRouter",
             _softmax_of_gathered,
-            "softmax over the gathered logits (router bias included)",
         ),
         Family(
             "granitemoe",
             ("block_sparse_moe", "router"),
             "GraniteMoeTopKRouter",
             _softmax_of_gathered,
-            "softmax over the gathered logits",
         ),
         Family(
             "phimoe",
             ("mlp", "router"),
             "PhimoeTopKRouter",
             _sparsemixer,
-            "sparsemixer (eval rule) with the replayed pair as its picks",
         ),
     )
 }
