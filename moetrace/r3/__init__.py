@@ -2,14 +2,15 @@
 
 ``replay_routing`` makes a model route by given expert ids (the rollout
 engine's), ``record_routing`` records what it routes by itself,
-``write_trace`` turns that into a trace for ``moetrace diff``, and
-``router_replay_indices`` feeds the same rows to Megatron-LM's
-``RouterReplay``.  See docs/r3.md.
+``write_trace`` turns that into a trace for ``moetrace diff``,
+``batch_routing`` lays per-sequence rows on a batch for trainers that split
+batches by rows, and ``router_replay_indices`` feeds the same rows to
+Megatron-LM's ``RouterReplay``.  See docs/r3.md.
 """
 
 from __future__ import annotations
 
-from moetrace.r3.layouts import LAYOUTS, batch_routing, moe_layers_only
+from moetrace.r3.layouts import LAYOUTS, batch_routing
 from moetrace.r3.megatron import router_replay_indices
 from moetrace.r3.model_routers import TESTED_TRANSFORMERS
 from moetrace.r3.record import RoutingRecord, record_routing
@@ -22,7 +23,6 @@ __all__ = [
     "RoutedSequence",
     "RoutingRecord",
     "batch_routing",
-    "moe_layers_only",
     "record_routing",
     "replay_routing",
     "router_replay_indices",
