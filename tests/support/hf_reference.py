@@ -29,6 +29,9 @@ __all__ = [
     "capture_router_calls",
     "descending_ids",
     "descending_weights",
+    "expert_inputs",
+    "forced_weights",
+    "hooked_routers",
     "load_reference_model",
     "make_tiny_checkpoint",
     "perturb_routers",
@@ -37,6 +40,7 @@ __all__ = [
     "reference_logprobs",
     "reference_routing",
     "selection_scores",
+    "split_router_output",
     "topk_is_sorted",
 ]
 
@@ -440,8 +444,16 @@ def _split_router_output(
     return floats[0], ints[0], weights[0]
 
 
+def split_router_output(
+    router: nn.Module, output: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router_logits, selected ids, their weights) from a router's output, whatever its order."""
+    return _split_router_output(router, output)
+
+
 @contextmanager
-def _hooked(model: nn.Module) -> Iterator[list[RouterCall]]:
+def hooked_routers(model: nn.Module) -> Iterator[list[RouterCall]]:
+    """Every router call of the forwards run inside the block, as the routers returned it."""
     spec = _family_of(model)
     calls: list[RouterCall] = []
 
@@ -475,7 +487,7 @@ def _hooked(model: nn.Module) -> Iterator[list[RouterCall]]:
 def capture_router_calls(model: nn.Module, token_ids: list[int]) -> list[RouterCall]:
     """Run one full forward (batch 1, no cache) and return every router call in layer order."""
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-    with _hooked(model) as calls:
+    with hooked_routers(model) as calls:
         model(input_ids=input_ids, use_cache=False)
     return list(calls)
 
@@ -594,6 +606,49 @@ def perturb_routers(checkpoint_dir: Path, out_dir: Path, *, scale: float, seed: 
         w.add_(noise.to(w.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)
+
+
+@dataclass
+class ExpertCall:
+    """What one MoE layer's experts module was called with: the ids and weights it applied."""
+
+    layer_idx: int
+    ids: torch.Tensor  # (tokens, top_k)
+    weights: torch.Tensor  # (tokens, top_k)
+
+
+@contextmanager
+def expert_inputs(model: nn.Module) -> Iterator[list[ExpertCall]]:
+    """The ids and weights each MoE block hands its ``experts`` module (forward pre-hooks), read
+    at the experts' own call: what they compute with, whatever changed the router's choice."""
+    spec = _family_of(model)
+    calls: list[ExpertCall] = []
+
+    def make_hook(layer_idx: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            _, ids, weights = args[:3]  # (hidden_states, top_k_index, top_k_weights)
+            calls.append(ExpertCall(layer_idx, ids.detach().clone(), weights.detach().clone()))
+
+        return hook
+
+    layers = model.get_decoder().layers
+    handles = []
+    for i in _routers(model, spec):
+        block = layers[i]
+        for name in spec.router_path[:-1]:
+            block = getattr(block, name)
+        handles.append(block.experts.register_forward_pre_hook(make_hook(i)))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def forced_weights(family: str, router: nn.Module, logits: torch.Tensor, ids: torch.Tensor):
+    """The weight each family's router would give ``ids`` (routing replay), from its logits,
+    written from the modeling files' router code (not from moetrace)."""
+    return _forced_weights(family, router, logits, ids)
 
 
 def _forced_weights(family: str, router: nn.Module, logits: torch.Tensor, ids: torch.Tensor):
