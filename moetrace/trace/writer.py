@@ -71,7 +71,7 @@ TOKEN_CHUNK = 16384  # 64 KiB of int32: a token is 4 bytes where its row is L * 
 REQUEST_CHUNK = 1024
 WRITE_BYTES = 4 << 20  # appended rows go to the file in writes of about this size
 # What a flush adds besides the data: table chunk, string heap, B-tree nodes, attributes.
-FLUSH_METADATA_BYTES = 256 << 10
+FLUSH_METADATA_BYTES = 64 << 10
 
 
 def _root_attrs(metadata: TraceMetadata) -> dict:
@@ -625,8 +625,8 @@ class TraceWriter:
             self._room = free_bytes(self.path)
         room = self._room - ahead
         chunks = sum(a.chunk_bytes for a in self._appenders.values())
-        pending = (len(self._pending) + 1) * 256 + 2 * chunks + FLUSH_METADATA_BYTES
-        if room < self.reserve_bytes + 2 * nbytes + pending:
+        pending = (len(self._pending) + 1) * 256 + 2 * chunks
+        if room < max(self.reserve_bytes, FLUSH_METADATA_BYTES) + 2 * nbytes + pending:
             raise DiskFullError(
                 f"{room:,} bytes free, {self.reserve_bytes:,} kept in reserve "
                 f"({RESERVE_ENV} sets it)"
