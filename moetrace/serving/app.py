@@ -84,7 +84,7 @@ def middleware(access: AccessOptions) -> list[Middleware]:
 
 def create_app(ctx: ServingContext, access: AccessOptions | None = None) -> Starlette:
     async def health(request: HttpRequest) -> Response:
-        return Response(status_code=200 if ctx.loop.alive and not ctx.draining else 503)
+        return Response(status_code=200 if ctx.loop.healthy and not ctx.draining else 503)
 
     async def models(request: HttpRequest) -> JSONResponse:
         cards = [

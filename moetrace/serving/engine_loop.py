@@ -194,9 +194,12 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        """The engine steps and, with a trace, its writer can still write."""
-        writer_ok = self.writer is None or self.writer.healthy
-        return self._thread.is_alive() and self.fatal is None and writer_ok
+        return self._thread.is_alive() and self.fatal is None
+
+    @property
+    def healthy(self) -> bool:
+        """The engine steps and, with a trace, its writer can still write (/health)."""
+        return self.alive and (self.writer is None or self.writer.healthy)
 
     def drain(self, timeout_s: float) -> None:
         """Take no new request; abort what still runs after ``timeout_s`` (answered as aborts)."""
@@ -223,6 +226,8 @@ class EngineLoop:
                 if timeline is not None:
                     loop_start, loop_cpu = time.monotonic(), time.thread_time()
                     inbox = len(self._inbox)
+                if self.writer is not None and not self.writer.healthy:
+                    self.writer.raise_error()  # the writer died between submits: stop now
                 self._take_inbox(events)
                 if self._stopping and (
                     not engine.has_unfinished() or time.monotonic() >= self._deadline

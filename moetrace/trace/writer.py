@@ -360,6 +360,10 @@ class TraceWriter:
             and not self._closed
         )
 
+    def raise_error(self) -> None:
+        """Raise the error that stopped the thread, if any (as the next ``submit`` would)."""
+        self._raise_thread_error()
+
     def __enter__(self) -> TraceWriter:
         return self.start()
 
