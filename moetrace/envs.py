@@ -74,6 +74,14 @@ ENVIRONMENT: dict[str, EnvVar] = {
             "--resume) rather than let HDF5 meet a full disk",
         ),
         EnvVar(
+            "MOETRACE_API_KEY",
+            str,
+            None,
+            "a key",
+            "an API key `moetrace serve` accepts besides those of --api-key (vLLM's "
+            "VLLM_API_KEY); set, every route but /health needs it",
+        ),
+        EnvVar(
             "MOETRACE_DIST_TIMEOUT",
             _positive_float,
             1800.0,

@@ -1,8 +1,9 @@
 """Requests out of a trace for other tools: JSON Lines, ``.npz``, ``.npy`` or Parquet.
 
-JSON Lines carry ``routed_experts`` the way vLLM and SGLang send it over HTTP:
-the bytes ``np.save`` writes, in base64, so ``np.load(BytesIO(b64decode(s)))``
-gives the array back with its shape and dtype.  The ``.npz`` holds the chosen
+JSON Lines carry ``routed_experts`` the way vLLM sends it over HTTP: the
+bytes ``np.save`` writes, in base64, so ``np.load(BytesIO(b64decode(s)))``
+gives the array back with its shape and dtype (SGLang sends the raw int32
+bytes instead, without shape or dtype).  The ``.npz`` holds the chosen
 requests in CSR form (one flat array per kind plus offsets) and is written
 array by array, chunk by chunk, so exporting a large trace needs little memory.
 Parquet has one row per request (pandas, Hugging Face ``datasets`` and Arrow

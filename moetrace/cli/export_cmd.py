@@ -66,8 +66,8 @@ def export_command(
     r"""Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
 
     Each JSON line has id, sample_index, index, finish_reason, prompt_token_ids,
-    output_token_ids and routed_experts: base64 of the .npy bytes (as vLLM and
-    SGLang send it), with shape and dtype.  Decode with
+    output_token_ids and routed_experts: base64 of the .npy bytes (as vLLM
+    sends it; SGLang sends raw int32 bytes instead), with shape and dtype.  Decode with
     np.load(io.BytesIO(base64.b64decode(line["routed_experts"]))).
     Parquet has one row per request (pandas, datasets, Arrow read it).
     eplb writes the \[num_moe_layers, num_experts] token-expert counts of the

@@ -11,6 +11,8 @@ import typer
 from moetrace.cli import engine_options as opts
 from moetrace.errors import MoetraceError
 
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as serving/access.py (serving loads lazily)
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -61,6 +63,42 @@ def serve_command(
     uvicorn_log_level: str = typer.Option(
         "warning", "--uvicorn-log-level", help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}."
     ),
+    api_key: list[str] = typer.Option(
+        None,
+        "--api-key",
+        help="Require 'Authorization: Bearer KEY' on every route but /health (repeatable; "
+        "MOETRACE_API_KEY adds one).",
+    ),
+    allowed_origins: list[str] = typer.Option(
+        None,
+        "--allowed-origins",
+        help="Origins browsers may call from (CORS; repeatable, '*' for any). Default: none.",
+    ),
+    public_metrics: bool = typer.Option(
+        False, "--public-metrics", help="/metrics answers without the API key."
+    ),
+    max_request_bytes: int = typer.Option(
+        DEFAULT_MAX_REQUEST_BYTES,
+        "--max-request-bytes",
+        help="Largest request body; a larger one gets 413 before it is read.",
+    ),
+    max_sequences_per_request: int = typer.Option(
+        4096,
+        "--max-sequences-per-request",
+        help="Most engine requests (prompts x n) one HTTP request may start.",
+    ),
+    limit_concurrency: int = typer.Option(
+        None,
+        "--limit-concurrency",
+        help="uvicorn's: connections served at once, 503 past it (default: from the "
+        "open-files limit, at most 4096).",
+    ),
+    header_timeout: float = typer.Option(
+        10.0, "--header-timeout", help="Seconds a request has to send its headers."
+    ),
+    body_timeout: float = typer.Option(
+        60.0, "--body-timeout", help="Seconds a request has to send its body after them."
+    ),
     engine: opts.EngineArgs = None,  # the shared options (engine_options.py)
     flush_interval: float = opts.FLUSH_INTERVAL,
     flush_every: int = opts.FLUSH_EVERY,
@@ -83,6 +121,8 @@ def serve_command(
         raise MoetraceError(
             f"moetrace serve needs {exc.name}: pip install 'moetrace[serve]'"
         ) from None
+    from moetrace import envs
+    from moetrace.serving.access import AccessOptions
     from moetrace.serving.server import Server
     from moetrace.trace.writer import unclosed_traces
 
@@ -93,6 +133,15 @@ def serve_command(
         )
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
+    keys = [k for k in (*(api_key or []), envs.get("MOETRACE_API_KEY")) if k]
+    if any(not k.strip() for k in api_key or []):
+        raise typer.BadParameter("an API key must not be blank", param_hint="--api-key")
+    access = AccessOptions(
+        api_keys=tuple(keys),
+        allowed_origins=tuple(allowed_origins or ()),
+        public_metrics=public_metrics,
+        max_request_bytes=max_request_bytes,
+    )
     engine.check()
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
@@ -115,6 +164,11 @@ def serve_command(
             log_level=uvicorn_log_level,
             # Rank 0 of a tensor-parallel group is this process (the driver joined it).
             engine_in_process=not engine_process or parallel.enabled,
+            access=access,
+            max_sequences_per_request=max_sequences_per_request,
+            limit_concurrency=limit_concurrency,
+            header_timeout_s=header_timeout,
+            body_timeout_s=body_timeout,
         )
         driver.start(worker_spec(server))
         try:

@@ -434,12 +434,18 @@ class LLMEngine:
             logprobs=logprobs,
             output_logprobs=None if logprobs is None else logprobs.token_logprob,
             prompt_logprobs=None if request.scoring is None else request.scoring.logprobs,
+            queue_s=_since(request.arrival_time, request.first_scheduled_time),
+            first_token_s=_since(request.arrival_time, request.first_token_time),
         )
 
     def run(self) -> Iterator[FinishedRequest]:
         """Step until every added request has finished, yielding each as it ends."""
         while self.has_unfinished():
             yield from self.step()
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start
 
 
 def _output_logprobs(request: Request) -> OutputLogprobs | None:

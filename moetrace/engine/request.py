@@ -9,6 +9,7 @@ which rows exist) follows from that count and ``num_tokens``.
 from __future__ import annotations
 
 import enum
+import time
 
 import numpy as np
 
@@ -106,6 +107,10 @@ class Request:
         self.block_table: list[int] = []
         self.status = RequestStatus.WAITING
         self.scoring = scoring
+        # Monotonic times for the server's latency metrics (any process reads the same clock).
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
 
     @property
     def num_tokens_to_compute(self) -> int:
@@ -157,6 +162,8 @@ class Request:
 
     def append_token(self, token_id: int, logprobs: StepLogprobs | None = None) -> None:
         """Add a sampled token; with its log-probabilities when the step has them for this request."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
         if logprobs is not None:
             row = logprobs.rows.get(self.request_id)

@@ -24,6 +24,7 @@ that ran its last chunk.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         before = request.num_computed_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         # A scoring request never samples: all its tokens are given.
         samples = request.scoring is None and before + num_new == request.num_scheduled_tokens
         out.scheduled.append(ScheduledRequest(request, num_new, before, samples))

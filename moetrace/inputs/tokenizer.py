@@ -361,6 +361,11 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: no token stands for more text."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
 
@@ -483,6 +488,10 @@ class ByteTokenizer:
     @property
     def eos_token_ids(self) -> list[int]:
         return [BYTE_EOS_ID]
+
+    @property
+    def longest_token_chars(self) -> int:
+        return max(len(t) for t in BYTE_SPECIAL_TOKENS.values())
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Bytes and special-token names; the byte tokenizer adds no special tokens itself."""

@@ -17,13 +17,17 @@ import traceback
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moetrace.serving import openai_api, sglang_api
+from moetrace.serving.access import AccessGuard, AccessOptions
 from moetrace.serving.context import ServingContext
+from moetrace.serving.metrics import CONTENT_TYPE
 from moetrace.serving.protocol import FieldProblem
 from moetrace.serving.responses import error_body, error_response
 
@@ -45,12 +49,42 @@ async def _http_error(request: HttpRequest, exc: Exception) -> JSONResponse:
 async def _bug(request: HttpRequest, exc: Exception) -> JSONResponse:
     traceback.print_exception(exc, file=sys.stderr)
     message = " ".join(str(exc).split()) or type(exc).__name__
-    return JSONResponse(error_body(500, f"internal error: {message}"), status_code=500)
+    # Said before uvicorn closes the connection (starlette re-raises the error after this
+    # answer), so a client's pool does not send its next request on it.
+    return JSONResponse(
+        error_body(500, f"internal error: {message}"),
+        status_code=500,
+        headers={"connection": "close"},
+    )
 
 
-def create_app(ctx: ServingContext) -> Starlette:
+def middleware(access: AccessOptions) -> list[Middleware]:
+    """CORS for the allowed origins only (outermost: it answers preflights), then the guard."""
+    stack = []
+    if access.allowed_origins:
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(access.allowed_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+            )
+        )
+    stack.append(
+        Middleware(
+            AccessGuard,
+            api_keys=access.api_keys,
+            public_paths=access.open_paths,
+            loopback_only=access.loopback_only,
+            max_body_bytes=access.max_request_bytes,
+        )
+    )
+    return stack
+
+
+def create_app(ctx: ServingContext, access: AccessOptions | None = None) -> Starlette:
     async def health(request: HttpRequest) -> Response:
-        return Response(status_code=200 if ctx.loop.alive and not ctx.draining else 503)
+        return Response(status_code=200 if ctx.loop.healthy and not ctx.draining else 503)
 
     async def models(request: HttpRequest) -> JSONResponse:
         cards = [
@@ -68,17 +102,10 @@ def create_app(ctx: ServingContext) -> Starlette:
         ]
         return JSONResponse({"object": "list", "data": cards})
 
-    async def metrics(request: HttpRequest) -> PlainTextResponse:
-        stats = ctx.loop.stats
-        values = {
-            **ctx.loop.counts(),
-            "requests_finished_total": stats.requests_finished,
-            "requests_aborted_total": stats.requests_aborted,
-            "generation_tokens_total": stats.output_tokens,
-            "engine_steps_total": stats.steps,
-        }
-        lines = [f"moetrace:{name} {value}" for name, value in values.items()]
-        return PlainTextResponse("\n".join(lines) + "\n")
+    async def metrics(request: HttpRequest) -> Response:
+        assert ctx.metrics is not None
+        body = ctx.metrics.render(ctx.loop.counts())
+        return Response(body, media_type=CONTENT_TYPE)
 
     app = Starlette(
         routes=[
@@ -88,6 +115,7 @@ def create_app(ctx: ServingContext) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
+        middleware=middleware(access or AccessOptions()),
         exception_handlers={
             FieldProblem: _field_problem,
             ClientDisconnect: _gone,

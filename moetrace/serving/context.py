@@ -7,8 +7,10 @@ answered with a 400 naming its field and the engine never sees it.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,9 +21,15 @@ from moetrace.inputs.tokenizer import Tokenizer
 from moetrace.models.source import ModelSource
 from moetrace.runs.setup import generation_defaults as checkpoint_generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
+from moetrace.serving.metrics import ServerMetrics
 from moetrace.serving.protocol import FieldProblem
 from moetrace.serving.responses import Base64Text
 from moetrace.trace.wire import float32_base64, hidden_layer_rows, int32_base64, npy_base64
+
+T = TypeVar("T")
+
+# Texts longer than this are tokenized in a thread: the event loop keeps answering meanwhile.
+TOKENIZE_IN_THREAD_CHARS = 16 << 10
 
 # vLLM's defaults for OpenAI requests that leave a sampling field out.
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -62,6 +70,12 @@ class ServingContext:
     )
     created: int = 0
     draining: bool = False
+    # Engine requests one HTTP request may start (prompts x n): its work stays bounded.
+    max_sequences_per_request: int = 4096
+    # Longest text a prompt may be and still fit the context, whatever the tokenizer does
+    # (max_model_len tokens of the longest vocabulary entry): longer is refused untokenized.
+    max_prompt_chars: int | None = None
+    metrics: ServerMetrics | None = None
 
     @property
     def model_name(self) -> str:
@@ -77,13 +91,49 @@ class ServingContext:
             raise FieldProblem(field_name, "the model has no tokenizer.json; send token ids")
         return self.tokenizer
 
+    def check_sequences(self, prompts: int, n: int, where: str) -> None:
+        """Refuse a request that would start more engine requests than the server allows."""
+        if prompts * n > self.max_sequences_per_request:
+            raise FieldProblem(
+                where,
+                f"{prompts} prompt(s) x n={n} is more than the {self.max_sequences_per_request} "
+                "sequences one request may start (--max-sequences-per-request)",
+            )
+
+    def check_text_length(self, text: str, field_name: str) -> None:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise FieldProblem(
+                field_name,
+                f"{len(text):,} characters cannot fit the context of {self.max_model_len} tokens",
+            )
+
     def encode(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self._need_tokenizer(field_name)
+        self.check_text_length(text, field_name)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def off_loop(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (tokenizing ``chars`` characters) in a thread when it is long work."""
+        if chars > TOKENIZE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    def claim(self, request_ids: list[str], field_name: str) -> None:
+        """Take the ids of a request's engine requests, or refuse it with a 409."""
+        taken = self.loop.claim(request_ids)
+        if taken is not None:
+            raise FieldProblem(
+                field_name,
+                f"request id {taken!r} is in flight or already in the trace; use another",
+                status=409,
+            )
 
     def chat_prompt(self, messages: list[dict[str, Any]], variables: dict[str, Any]) -> list[int]:
         tokenizer = self._need_tokenizer("messages")
         plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+        for i, message in enumerate(plain):
+            if isinstance(message.get("content"), str):
+                self.check_text_length(message["content"], f"messages.{i}.content")
         try:
             return tokenizer.apply_chat_template(plain, **variables)
         except ModelError as exc:

@@ -40,6 +40,7 @@ from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
 
 if TYPE_CHECKING:
+    from moetrace.serving.metrics import ServerMetrics
     from moetrace.serving.remote_engine import RemoteEngine
 
 
@@ -92,6 +93,7 @@ class RequestHandle:
         self.queue = queue
         self.index = index
         self.done = False  # set by the reader once Finished or Failed arrived
+        self.added = 0.0  # when the loop took it (monotonic), for the latency metric
 
     @property
     def request_id(self) -> str:
@@ -129,6 +131,7 @@ class EngineLoop:
         writer: TraceWriter | None = None,
         on_fatal: Callable[[str], None] | None = None,
         timeline: Timeline | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.loop = loop
@@ -136,12 +139,16 @@ class EngineLoop:
         self.on_fatal = on_fatal or (lambda message: None)
         self.stats = LoopStats()
         self.timeline = timeline
+        self.metrics = metrics
         self.fatal: str | None = None
         self.fatal_error: BaseException | None = None
         self._failure = Failed("the server stopped")
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}
+        # Ids taken by requests in flight and, with a trace, by every request written to it:
+        # a second request under one of them is refused (a trace holds each id once).
+        self._claimed: set[str] = set()
         self._streaming: dict[str, _Live] = {}  # the live requests that stream tokens
         self._index = 0  # arrival order: the trace's request index and the default seed
         self._stopping = False
@@ -154,7 +161,21 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def claim(self, request_ids: list[str]) -> str | None:
+        """Take ``request_ids`` for new requests; the first already taken, if any (then none)."""
+        taken = next((rid for rid in request_ids if rid in self._claimed), None)
+        if taken is None and len(set(request_ids)) < len(request_ids):
+            taken = next(rid for rid in request_ids if request_ids.count(rid) > 1)
+        if taken is None:
+            self._claimed.update(request_ids)
+        return taken
+
+    def release(self, request_ids: list[str]) -> None:
+        """Give back ids whose requests will never reach the trace."""
+        self._claimed.difference_update(request_ids)
+
     def add(self, handle: RequestHandle) -> None:
+        handle.added = time.monotonic()
         if self.timeline is not None:
             self.timeline.arrivals.append(time.monotonic())
         self._inbox.append(("add", handle))
@@ -169,17 +190,27 @@ class EngineLoop:
 
     def has_news(self) -> bool:
         """Adds, aborts or a stop wait for the engine thread (a remote step returns for them)."""
-        return bool(self._inbox) or self._stopping
+        return bool(self._inbox) or (self._stopping and time.monotonic() >= self._deadline)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
-    def shutdown(self, timeout_s: float = 0.0) -> None:
-        """Finish what runs for up to ``timeout_s``, abort the rest, stop the thread."""
-        self._deadline = time.monotonic() + timeout_s
+    @property
+    def healthy(self) -> bool:
+        """The engine steps and, with a trace, its writer can still write (/health)."""
+        return self.alive and (self.writer is None or self.writer.healthy)
+
+    def drain(self, timeout_s: float) -> None:
+        """Take no new request; abort what still runs after ``timeout_s`` (answered as aborts)."""
+        deadline = time.monotonic() + timeout_s
+        self._deadline = min(self._deadline, deadline) if self._stopping else deadline
         self._stopping = True
         self._wake.set()
+
+    def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Finish what runs for up to ``timeout_s``, abort the rest, stop the thread."""
+        self.drain(timeout_s)
         if self._thread.is_alive():
             self._thread.join()
 
@@ -195,6 +226,8 @@ class EngineLoop:
                 if timeline is not None:
                     loop_start, loop_cpu = time.monotonic(), time.thread_time()
                     inbox = len(self._inbox)
+                if self.writer is not None and not self.writer.healthy:
+                    self.writer.raise_error()  # the writer died between submits: stop now
                 self._take_inbox(events)
                 if self._stopping and (
                     not engine.has_unfinished() or time.monotonic() >= self._deadline
@@ -216,7 +249,10 @@ class EngineLoop:
                 finished = engine.step()
                 if timeline is not None:
                     step_end, step_cpu = time.monotonic(), time.thread_time() - step_cpu
-                self.stats.steps += getattr(finished, "steps", 1)  # a remote engine says
+                steps = getattr(finished, "steps", 1)  # a remote engine says
+                self.stats.steps += steps
+                if self.metrics is not None:
+                    self.metrics.stepped(steps)
                 # A request that ended this step gets its last tokens with Finished instead.
                 events += self._stream_tokens({f.request_id for f in finished})
                 self._ended(finished, events)
@@ -258,6 +294,7 @@ class EngineLoop:
             except IndexError:
                 break
             if kind == "add":
+                self.release([item.request_id])  # type: ignore[union-attr]
                 events.append((item, self._failure))  # type: ignore[arg-type]
         self._deliver(events)
 
@@ -272,6 +309,7 @@ class EngineLoop:
     def _add(self, handle: RequestHandle) -> list[tuple[RequestHandle, Event]]:
         req = handle.request
         if self._stopping:
+            self.release([req.request_id])
             return [(handle, Failed("the server is shutting down", status=503))]
         try:
             (request,) = self.engine.add_request(  # one sample: the server fans n out itself
@@ -279,8 +317,10 @@ class EngineLoop:
                 **({"stream": req.stream} if self._remote else {}),
             )  # fmt: skip
         except RequestRejected as exc:
+            self.release([req.request_id])
             return [(handle, Failed(exc.problem, status=400, field=exc.field))]
         except CapacityError as exc:
+            self.release([req.request_id])
             return [(handle, Failed(str(exc), status=400, field="max_tokens"))]
         self._index += 1
         live = _Live(handle, request if req.stream else None)
@@ -315,9 +355,12 @@ class EngineLoop:
         self, finished: list[FinishedRequest], events: list[tuple[RequestHandle, Event]]
     ) -> None:
         """Trace each ended request, then answer it: one the trace refused stays live (failed)."""
+        now = time.monotonic()
         for item in finished:
             if self.writer is not None:
                 self.writer.submit(item)
+            else:
+                self.release([item.request_id])
             live = self._live.pop(item.request_id, None)
             self._streaming.pop(item.request_id, None)
             if item.finish_reason == "abort":
@@ -325,6 +368,8 @@ class EngineLoop:
             else:
                 self.stats.requests_finished += 1
                 self.stats.output_tokens += item.output_len
+            if self.metrics is not None:
+                self.metrics.ended(item, None if live is None else now - live.handle.added)
             if live is not None:
                 events.append((live.handle, Finished(item)))
 

@@ -47,6 +47,7 @@ async def stream_events(
 ) -> AsyncIterator[tuple[int, NewTokens | Finished]]:
     """(request index, event) as they happen, until every request has finished."""
     if ctx.draining or not ctx.loop.alive:
+        ctx.loop.release([r.request_id for r in requests])  # they never reach the engine
         raise FieldProblem(None, "the server is shutting down", status=503)
     queue: asyncio.Queue = asyncio.Queue()
     handles = [RequestHandle(r, queue, i) for i, r in enumerate(requests)]

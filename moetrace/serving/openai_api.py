@@ -62,6 +62,16 @@ class Plan:
         return sum(len(p) for p in self.prompts)
 
 
+def _num_prompts(prompt: Any) -> int:
+    return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
+
+
+def _text_chars(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
+
+
 def _completion_prompts(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -94,7 +104,8 @@ def _plan(
             "stream_options.continuous_usage_stats", "not supported by moetrace serve"
         )
     ctx.check_weights_asked(req.return_routed_weights)
-    response_id = f"{prefix}-{new_id()}"
+    # vLLM's rule: the response id is the prefix and the client's request_id.
+    response_id = f"{prefix}-{req.request_id or new_id()}"
     requests, choices = [], []
     for p, ids in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
@@ -132,6 +143,7 @@ def _plan(
                 EngineRequest(f"{response_id}-{p}-{j}", ids, params, stream=bool(req.stream))
             )
             choices.append(Choice(ctx, ids, params))
+    ctx.claim([r.request_id for r in requests], "request_id")
     return Plan(response_id, prompts, requests, choices, req.n)
 
 
@@ -161,7 +173,9 @@ async def completions(http: HttpRequest) -> Response:
     ctx = _ctx(http)
     req: CompletionRequest = await read_body(http, CompletionRequest)
     ctx.check_model(req.model)
-    plan = _plan(ctx, req, _completion_prompts(ctx, req), req.max_tokens, "cmpl", req.logprobs)
+    ctx.check_sequences(_num_prompts(req.prompt), req.n, "prompt" if req.n == 1 else "n")
+    prompts = await ctx.off_loop(_text_chars(req.prompt), _completion_prompts, ctx, req)
+    plan = _plan(ctx, req, prompts, req.max_tokens, "cmpl", req.logprobs)
     if req.stream:
         return _sse_response(_completion_stream(ctx, http, req, plan))
     clock = EncodeClock()
@@ -291,7 +305,9 @@ async def chat_completions(http: HttpRequest) -> Response:
     ctx = _ctx(http)
     req: ChatCompletionRequest = await read_body(http, ChatCompletionRequest)
     ctx.check_model(req.model)
-    prompt = [_chat_prompt(ctx, req)]
+    ctx.check_sequences(1, req.n, "n")
+    chars = sum(len(str(m.get("content") or "")) for m in req.messages)
+    prompt = [await ctx.off_loop(chars, _chat_prompt, ctx, req)]
     plan = _plan(ctx, req, prompt, req.requested_max_tokens, "chatcmpl", req.num_logprobs)
     if req.stream:
         return _sse_response(_chat_stream(ctx, http, req, plan))

@@ -14,13 +14,24 @@ SGLang's ``/generate`` body is checked the same way (``GenerateRequest``,
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from moetrace.engine.sampling import MAX_LOGPROBS
 
 INT64 = 2**63
+TOKEN_ID_LIMIT = 2**31  # token ids travel as int32 (the trace, the engine's tensors)
+MAX_ID_CHARS = 512  # a request id is a key clients join on, not a payload
 
 
 class FieldProblem(Exception):
@@ -34,19 +45,93 @@ class FieldProblem(Exception):
         super().__init__(f"{where}{problem}")
 
 
+# Parts of a pydantic error location that name a member of a union, not a field.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
+
+
 def validation_problem(exc: ValidationError, prefix: str = "") -> FieldProblem:
     """The first error of a pydantic validation, as one line naming its field."""
     err = exc.errors(include_url=False)[0]
-    path = prefix + ".".join(str(p) for p in err["loc"])
+    loc = [p for p in err["loc"] if not (isinstance(p, str) and _UNION_MEMBER.match(p))]
+    path = prefix + ".".join(str(p) for p in loc)
     if err["type"] == "extra_forbidden":
         return FieldProblem(path, "unknown field (not one vLLM accepts here)")
-    value = err.get("input")
-    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
     if err["type"] == "missing":
         return FieldProblem(path or None, "required")
-    return FieldProblem(path or None, f"{err['msg']}, got {shown}")
+    if err["type"] == "value_error":  # our own validators say what they expected
+        return FieldProblem(path or None, str(err["msg"]).removeprefix("Value error, "))
+    return FieldProblem(path or None, f"{err['msg']}, got {_shown(err.get('input'))}")
+
+
+def _token_ids(value: Any, where: str = "") -> list[int]:
+    """A list of token ids: integers (never booleans) in ``0 .. 2**31 - 1``."""
+    if not isinstance(value, list):
+        raise ValueError("expected a list of token ids")
+    for i, item in enumerate(value):
+        if type(item) is not int or not 0 <= item < TOKEN_ID_LIMIT:
+            raise ValueError(
+                f"token id {where}{i} must be an integer in 0..{TOKEN_ID_LIMIT - 1}, "
+                f"got {_shown(item)}"
+            )
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def prompt_value(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """vLLM's prompt forms: text, a list of texts, token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        if value == []:
+            return value
+        raise ValueError(
+            "expected text, a list of texts, a list of token ids or a list of token-id lists"
+        )
+    if all(isinstance(v, str) for v in value):
+        return value
+    if all(isinstance(v, list) for v in value):
+        for i, ids in enumerate(value):
+            _token_ids(ids, f"{i}.")
+        return value
+    if any(isinstance(v, (str, list)) for v in value):
+        raise ValueError("a list prompt must hold only texts, only token ids or only lists")
+    return _token_ids(value)
+
+
+def request_id_value(value: Any) -> Any:
+    """An id that is stored in the trace as given: printable text of bounded length."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("an id must not be empty")
+        if len(value) > MAX_ID_CHARS:
+            raise ValueError(f"an id has at most {MAX_ID_CHARS} characters, got {len(value)}")
+        if "\x00" in value:
+            raise ValueError("an id must not contain NUL characters")
+    return value
+
+
+def rid_value(value: Any) -> Any:
+    """SGLang's ``rid``: one id, or one per prompt."""
+    if value is None:
+        return value
+    items = value if isinstance(value, list) else [value]
+    for i, item in enumerate(items):
+        where = f"rid {i}: " if isinstance(value, list) else ""
+        if not isinstance(item, str):
+            raise ValueError(f"{where}expected a string or a list of strings, got {_shown(item)}")
+        try:
+            request_id_value(item)
+        except ValueError as exc:
+            raise ValueError(f"{where}{exc}") from None
+    return value
+
+
+TokenIds = Annotated[list[int], BeforeValidator(_token_ids)]
+RequestId = Annotated[str, AfterValidator(request_id_value)]
 
 
 def _refuse_unsupported(data: Any, defaults: dict[str, Any]) -> Any:
@@ -67,7 +152,9 @@ def _refuse_unsupported(data: Any, defaults: dict[str, Any]) -> Any:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """No unknown field, no coercion: ``"n": "2"`` or ``"stream": "yes"`` is a 400."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -119,7 +206,7 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -129,7 +216,7 @@ class SamplingFields(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    request_id: str | None = None
+    request_id: RequestId | None = None
     return_token_ids: bool | None = None
     routed_experts_prompt_start: int = Field(0, ge=0)
     # moetrace's: each choice's gate weights beside its routed experts (docs/serving.md).
@@ -147,7 +234,7 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[Any, AfterValidator(prompt_value)]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -191,6 +278,12 @@ _CHAT_UNSUPPORTED: dict[str, Any] = {
 }
 
 
+# Variables the chat template gets from the request: chat_template_kwargs may not set them.
+_TEMPLATE_OWN_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "add_special_tokens", "tools", "documents"}
+)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -215,6 +308,12 @@ class ChatCompletionRequest(SamplingFields):
             content = message.get("content")
             if not (content is None or isinstance(content, (str, list))):
                 raise FieldProblem(f"messages.{i}.content", "expected a string or a list of parts")
+        for name in self.chat_template_kwargs or {}:
+            if name in _TEMPLATE_OWN_VARIABLES:
+                raise FieldProblem(
+                    f"chat_template_kwargs.{name}",
+                    f"'{name}' is set by the request itself, not by chat_template_kwargs",
+                )
         return self
 
     @property
@@ -251,7 +350,7 @@ class GenerateSampling(Strict):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     min_new_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -292,10 +391,10 @@ _GENERATE_UNSUPPORTED: dict[str, Any] = {
 
 class GenerateRequest(Strict):
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: Annotated[Any, AfterValidator(prompt_value)] = None
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: Annotated[Any, AfterValidator(rid_value)] = None
     return_logprob: bool | None = None
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_routed_experts: bool = False
@@ -313,6 +412,10 @@ class GenerateRequest(Strict):
     def _checks(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise FieldProblem("text", "give exactly one of text and input_ids")
+        if isinstance(self.input_ids, str) or (
+            isinstance(self.input_ids, list) and any(isinstance(v, str) for v in self.input_ids)
+        ):
+            raise FieldProblem("input_ids", "expected token ids (send text as 'text')")
         return self
 
     def sampling(self) -> GenerateSampling:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -27,7 +28,14 @@ def new_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+# The OpenAI client's exception names where it has one.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -104,9 +112,30 @@ def now() -> int:
     return int(time.time())
 
 
+# Bodies larger than this are parsed off the event loop (a 16 MB body takes ~0.1 s).
+PARSE_IN_THREAD_BYTES = 1 << 20
+
+
 async def read_body(http: HttpRequest, model: type[BaseModel]) -> Any:
-    """The request body as ``model``; malformed JSON and bad fields become ``FieldProblem``."""
+    """The request body as ``model``; malformed JSON and bad fields become ``FieldProblem``.
+
+    The body's size was bounded before it was read (``access.AccessGuard``).
+    """
     raw = await http.body()
+    if len(raw) > PARSE_IN_THREAD_BYTES:
+        data = await asyncio.to_thread(parse_json, raw)
+    else:
+        data = parse_json(raw)
+    if not isinstance(data, dict):
+        raise FieldProblem(None, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_problem(exc) from None
+
+
+def parse_json(raw: bytes) -> Any:
+    """JSON whose every string is text a tokenizer and the trace can take."""
     try:
         data = json.loads(raw)
     except UnicodeDecodeError:
@@ -115,12 +144,47 @@ async def read_body(http: HttpRequest, model: type[BaseModel]) -> Any:
         raise FieldProblem(
             None, f"malformed JSON body: {exc.msg} (line {exc.lineno}, column {exc.colno})"
         ) from None
-    if not isinstance(data, dict):
-        raise FieldProblem(None, f"the body must be a JSON object, got {type(data).__name__}")
+    except RecursionError:
+        raise FieldProblem(None, "the JSON body is nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise FieldProblem(None, f"malformed JSON body: {exc}") from None
+    where = lone_surrogate(data)
+    if where is not None:
+        raise FieldProblem(where or None, "a string holds a lone UTF-16 surrogate (not text)")
+    return data
+
+
+def lone_surrogate(data: Any) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, else None.
+
+    JSON's ``\\ud800`` escapes decode to such characters; they are not Unicode
+    text, so tokenizers and HDF5 refuse them deep inside the server.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                inner = f"{path}.{key}" if path else str(key)
+                if not _is_text(key):
+                    return path
+                stack.append((inner, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
+    return None
+
+
+def _is_text(text: str) -> bool:
+    if text.isascii():
+        return True
     try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_problem(exc) from None
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

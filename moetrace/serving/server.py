@@ -35,10 +35,19 @@ from moetrace.runs.setup import (
     model_metadata,
     resolve_device,
 )
+from moetrace.serving.access import AccessOptions, is_loopback
 from moetrace.serving.app import create_app
 from moetrace.serving.context import ModelFacts, ServingContext, generation_defaults
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.engine_process import EngineSpec
+from moetrace.serving.http_limits import (
+    GuardedHttpTools,
+    default_connection_limit,
+    listening_socket,
+    raise_open_files_limit,
+    rate_limit_logs,
+)
+from moetrace.serving.metrics import ServerMetrics
 from moetrace.serving.remote_engine import RemoteEngine
 from moetrace.serving.timeline import Timeline, timeline_path
 from moetrace.signals import signal_name
@@ -46,6 +55,9 @@ from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.writer import TraceWriter
 
 KEEP_ALIVE_S = 65  # seconds an idle keep-alive connection stays open
+# After --shutdown-timeout the engine aborts what runs; its handlers get this long more to
+# send those answers (finish_reason "abort") before uvicorn cancels them.
+ANSWER_GRACE_S = 5.0
 
 # Python's thread switch interval while serving (envs.py). Every torch op the engine thread
 # runs drops the GIL and takes it back; when the event loop holds it meanwhile, the engine
@@ -67,6 +79,7 @@ class ServeResult:
     stopped_by: str = ""
     trace: Path | None = None
     fatal: str | None = None
+    listened: bool = False  # the socket was listening: requests could have come
     extra: dict = field(default_factory=dict)
 
 
@@ -95,7 +108,8 @@ class _Uvicorn(uvicorn.Server):
         if len(self.signals) == 1:
             print(
                 f"{signal_name(sig)}: stopping; requests in flight get "
-                f"{self.config.timeout_graceful_shutdown:g} s ({signal_name(sig)} again to stop now)",
+                f"{self.config.timeout_graceful_shutdown - ANSWER_GRACE_S:g} s "
+                f"({signal_name(sig)} again to stop now)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -134,6 +148,11 @@ class Server:
         generation_config: str = "auto",
         log_level: str = "warning",
         engine_in_process: bool = True,
+        access: AccessOptions | None = None,
+        max_sequences_per_request: int = 4096,
+        limit_concurrency: int | None = None,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 60.0,
     ) -> None:
         engine = dataclasses.replace(run.engine)  # capture is set below, for this server
         engine.validate()
@@ -145,6 +164,16 @@ class Server:
             )
         if flush_interval_s <= 0 or flush_every_requests < 1:
             raise MoetraceError("--flush-interval must be > 0 and --flush-every at least 1")
+        if max_sequences_per_request < 1:
+            raise MoetraceError("--max-sequences-per-request must be at least 1")
+        if not (header_timeout_s > 0 and body_timeout_s > 0):
+            raise MoetraceError("--header-timeout and --body-timeout must be > 0")
+        self.access = replace(access or AccessOptions(), loopback_only=is_loopback(host))
+        if self.access.max_request_bytes < 1:
+            raise MoetraceError("--max-request-bytes must be at least 1")
+        self.max_sequences_per_request = max_sequences_per_request
+        self.limit_concurrency = limit_concurrency
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.switch_interval_s = switch_interval_s()
         self.model = run.model
         self.device = resolve_device(run.device)
@@ -173,9 +202,25 @@ class Server:
         if not return_routed_weights:
             engine.capture_weights = None  # nobody would read them
         self.engine_config = engine
+        # The address is taken before anything loads: a busy port or a bad host is one line
+        # at once, not after minutes of loading (and never leaves a trace file behind).
+        if not self.access.loopback_only and not self.access.api_keys:
+            print(
+                f"warning: serving on {host} without --api-key: anyone who reaches the port "
+                "can use the server",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.socket = listening_socket(host, port)
         self.tokenizer = load_tokenizer(run.model)
         self.max_model_len = run.model.context_length(engine.max_model_len)
         self.sampling_defaults = generation_defaults(run.model, generation_config)
+
+    def _max_prompt_chars(self, max_model_len: int) -> int | None:
+        """The longest text that might still fit the context (twice the bound, for normalizers)."""
+        if self.tokenizer is None:
+            return None
+        return 2 * max_model_len * (self.tokenizer.longest_token_chars + 1)
 
     def _check_trace_out(self, out: Path) -> None:
         if out.is_dir():
@@ -190,6 +235,12 @@ class Server:
         """Load, serve until stopped, close; ``on_ready`` gets the URL once it listens."""
         timeline_out = timeline_path()
         timeline = Timeline() if timeline_out is not None else None
+        try:
+            return self._load_and_run(timeline, timeline_out, on_ready)
+        finally:
+            self.socket.close()
+
+    def _load_and_run(self, timeline, timeline_out, on_ready) -> ServeResult:
         if self.engine_in_process:
             engine, facts, eos, metadata = self._engine_here()
         else:
@@ -276,6 +327,8 @@ class Server:
                     complete=result.fatal is None,
                     end_reason=f"error: {result.fatal}" if result.fatal else result.stopped_by,
                 )
+                if not result.listened and self.trace_out is not None:
+                    self.trace_out.unlink(missing_ok=True)  # a server that never served
         if result.fatal is not None:
             raise MoetraceError(f"the server stopped: {result.fatal}")
         return result
@@ -284,13 +337,22 @@ class Server:
         self, engine, writer, facts, eos, result: ServeResult, on_ready, timeline, timeline_out
     ) -> None:
         loop = asyncio.get_running_loop()
+        open_files = raise_open_files_limit()
+        limit = self.limit_concurrency or default_connection_limit(open_files)
+        protocol = type(
+            "Protocol",
+            (GuardedHttpTools,),
+            {"header_timeout_s": self.header_timeout_s, "body_timeout_s": self.body_timeout_s},
+        )
         config = uvicorn.Config(
             None,  # the app is set below, once the context exists
             host=self.host,
             port=self.port,
+            http=protocol,
+            limit_concurrency=limit,
             log_level=self.log_level,
             access_log=self.log_level in ("debug", "trace"),
-            timeout_graceful_shutdown=self.shutdown_timeout_s,  # type: ignore[arg-type]
+            timeout_graceful_shutdown=self.shutdown_timeout_s + ANSWER_GRACE_S,  # type: ignore[arg-type]
             # Longer than clients keep idle connections (httpx 5 s, aiohttp 15 s): with uvicorn's
             # default of 5 s, a pooled connection reused as the server drops it fails the request
             # (seen here: 1 POST in 512 got a ReadError).
@@ -301,8 +363,10 @@ class Server:
 
         def stopping() -> None:
             ctx.draining = True
+            engine_loop.drain(self.shutdown_timeout_s)  # then aborts: answered, not cut
 
         def ready(port: int) -> None:
+            result.listened = True
             url = f"http://{self.host}:{port}"
             print(
                 f"moetrace {__version__} serving {self.served_model_names[0]} at {url} "
@@ -316,13 +380,20 @@ class Server:
                 on_ready(url)
 
         server = _Uvicorn(config, ready, stopping)
+        rate_limit_logs()
+        metrics = ServerMetrics(self.served_model_names[0])
 
         def fatal(message: str) -> None:
             loop.call_soon_threadsafe(setattr, server, "should_exit", True)
 
         remote = isinstance(engine, RemoteEngine)  # it keeps the timeline of its steps itself
         engine_loop = EngineLoop(
-            engine, loop, writer=writer, on_fatal=fatal, timeline=None if remote else timeline
+            engine,
+            loop,
+            writer=writer,
+            on_fatal=fatal,
+            timeline=None if remote else timeline,
+            metrics=metrics,
         )
         if remote:
             engine.has_news = engine_loop.has_news
@@ -340,13 +411,16 @@ class Server:
             eos_token_ids=tuple(eos),
             sampling_defaults=self.sampling_defaults,
             created=int(time.time()),
+            max_sequences_per_request=self.max_sequences_per_request,
+            max_prompt_chars=self._max_prompt_chars(engine.max_model_len),
+            metrics=metrics,
         )
-        config.app = create_app(ctx)
+        config.app = create_app(ctx, self.access)
         freeze_start_up_heap()
         engine_loop.start()
         sampler = asyncio.ensure_future(timeline.sample_cpu()) if timeline is not None else None
         try:
-            await server.serve()
+            await server.serve(sockets=[self.socket])
         finally:
             ctx.draining = True
             await asyncio.to_thread(engine_loop.shutdown, 0.0)

@@ -64,18 +64,29 @@ def _finish_reason(done: FinishedRequest, choice: Choice, max_new: int) -> dict[
     return {"type": "stop", "matched": matched}
 
 
+def _num_prompts(req: GenerateRequest) -> int:
+    if req.text is not None:
+        return 1 if isinstance(req.text, str) else len(req.text)
+    ids = req.input_ids or []
+    return len(ids) if ids and isinstance(ids[0], list) else 1
+
+
+def _text_chars(req: GenerateRequest) -> int:
+    texts = [req.text] if isinstance(req.text, str) else (req.text or [])
+    return sum(len(t) for t in texts)
+
+
 class _Plan:
-    def __init__(self, ctx: ServingContext, req: GenerateRequest) -> None:
-        if req.return_routed_experts and not ctx.return_routed_experts:
-            raise FieldProblem(
-                "return_routed_experts",
-                "the server was started without --enable-return-routed-experts",
-            )
+    def __init__(
+        self,
+        ctx: ServingContext,
+        req: GenerateRequest,
+        sampling: GenerateSampling,
+        prompts: list[list[int]],
+        batch: bool,
+    ) -> None:
         ctx.check_weights_asked(req.return_routed_weights)
-        sampling: GenerateSampling = req.sampling()
-        if sampling.max_new_tokens == 0:
-            raise FieldProblem("sampling_params.max_new_tokens", "must be at least 1 here")
-        prompts, self.batch = _prompts(ctx, req)
+        self.batch = batch
         rids = _rids(req, len(prompts))
         self.requests: list[EngineRequest] = []
         self.choices: list[Choice] = []
@@ -119,6 +130,7 @@ class _Plan:
                 self.max_new.append(limit)
                 self.requests.append(EngineRequest(rid, ids, params, stream=req.stream))
                 self.choices.append(Choice(ctx, ids, params))
+        ctx.claim(self.rids, "rid")
 
 
 def _ctx(http: HttpRequest) -> ServingContext:
@@ -146,7 +158,7 @@ def _output(
     if req.return_logprob:
         lps = choice.logprobs(done, 0) or []
         meta.update(sglang_logprobs(done.output_token_ids.tolist(), lps, req.top_logprobs_num))
-    if req.return_routed_experts:
+    if req.return_routed_experts and ctx.return_routed_experts:  # else left out, as SGLang
         t0 = time.perf_counter()
         meta["routed_experts"] = ctx.sglang_routed_experts(
             done.routed_experts, req.routed_experts_start_len
@@ -165,7 +177,12 @@ async def generate(http: HttpRequest) -> Response:
     start = time.perf_counter()
     ctx = _ctx(http)
     req: GenerateRequest = await read_body(http, GenerateRequest)
-    plan = _Plan(ctx, req)
+    sampling = req.sampling()
+    if sampling.max_new_tokens == 0:
+        raise FieldProblem("sampling_params.max_new_tokens", "must be at least 1 here")
+    ctx.check_sequences(_num_prompts(req), sampling.n, "sampling_params.n")
+    prompts, batch = await ctx.off_loop(_text_chars(req), _prompts, ctx, req)
+    plan = _Plan(ctx, req, sampling, prompts, batch)
     if req.stream:
         return StreamingResponse(
             _stream(ctx, http, req, plan, start), media_type="text/event-stream"

@@ -92,6 +92,10 @@ class FinishedRequest:
     logprobs: OutputLogprobs | None = None  # with SamplingParams.logprobs
     # Teacher-forced (scoring) requests: each prompt token's log-probability, NaN where none.
     prompt_logprobs: np.ndarray | None = None  # float32 (prompt_len,)
+    # Seconds from the request's arrival in the engine to its first step, and to its first
+    # sampled token (None if it never got one): the server's /metrics.
+    queue_s: float | None = None
+    first_token_s: float | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -115,6 +119,18 @@ PLACED = "placed"  # set by the writer where it places the request (offsets, che
 
 def _same(value):
     return value
+
+
+def storable_text(value: object) -> str:
+    """Text HDF5 stores as given: a NUL or a lone surrogate is written as its escape.
+
+    Such an id would make the whole batch of records fail to write; escaped,
+    its record is kept and the others with it.
+    """
+    text = str(value)
+    if "\x00" in text or not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+    return text
 
 
 def _extra_to_table(extra: dict) -> str:
@@ -147,7 +163,7 @@ class Column:
 
 
 COLUMNS: tuple[Column, ...] = (
-    Column("id", STRING, attr="request_id", to_table=str),
+    Column("id", STRING, attr="request_id", to_table=storable_text),
     Column("index", np.dtype("<i8"), to_table=int, from_table=int),
     Column("prompt_len", np.dtype("<i4"), LENGTH),
     Column("output_len", np.dtype("<i4"), LENGTH),

@@ -40,6 +40,15 @@ from moetrace.trace.records import REQUESTS
 PARTIAL_MERGE = "partial merge"
 
 
+def _served(attrs) -> bool:
+    """Whether ``moetrace serve`` wrote the file (its engine settings say so)."""
+    try:
+        settings = json.loads(attrs.get("engine_settings", "{}") or "{}")
+    except (TypeError, ValueError):
+        return False
+    return isinstance(settings, dict) and settings.get("served_by") == "moetrace serve"
+
+
 @dataclass
 class VerifyReport:
     path: Path
@@ -52,6 +61,7 @@ class VerifyReport:
     end_reason: str = ""
     dropped: int = 0  # tail records not backed by data
     being_written: int | None = None  # pid of the run writing it (0: unknown), None: nobody
+    served: bool = False  # written by `moetrace serve`, which has no --resume
 
     @property
     def status(self) -> str:
@@ -81,6 +91,11 @@ class VerifyReport:
                 return (
                     f"{self.path}: incomplete{why}: {held}, all intact; merge again with every "
                     "shard, or with --as-complete if this subset is what you want"
+                )
+            if self.served:
+                return (
+                    f"{self.path}: incomplete{why}: {held}, all intact; a served trace is "
+                    "not resumed: read it as it is (serve again with another --trace-out)"
                 )
             return (
                 f"{self.path}: incomplete{why}: {held}, all intact; "
@@ -208,6 +223,7 @@ def _file_checks(report: VerifyReport, f: h5py.File, trace: Trace) -> None:
             report.notes.append("the last flush did not finish (its records are left out)")
         if problem:
             report.problems.append(problem)
+    report.served = _served(attrs)
     skipped = json.loads(attrs.get("skipped_inputs", "[]") or "[]")
     if skipped:
         report.notes.append(f"{len(skipped)} input line(s) were skipped as invalid")

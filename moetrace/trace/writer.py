@@ -70,6 +70,8 @@ from moetrace.trace.resume import reopen_for_append
 TOKEN_CHUNK = 16384  # 64 KiB of int32: a token is 4 bytes where its row is L * k ids
 REQUEST_CHUNK = 1024
 WRITE_BYTES = 4 << 20  # appended rows go to the file in writes of about this size
+# What a flush adds besides the data: table chunk, string heap, B-tree nodes, attributes.
+FLUSH_METADATA_BYTES = 64 << 10
 
 
 def _root_attrs(metadata: TraceMetadata) -> dict:
@@ -348,6 +350,20 @@ class TraceWriter:
         finally:
             self._release_own_lock()
 
+    @property
+    def healthy(self) -> bool:
+        """The thread runs and has met no error: what is submitted will be written."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self._error is None
+            and not self._closed
+        )
+
+    def raise_error(self) -> None:
+        """Raise the error that stopped the thread, if any (as the next ``submit`` would)."""
+        self._raise_thread_error()
+
     def __enter__(self) -> TraceWriter:
         return self.start()
 
@@ -605,14 +621,16 @@ class TraceWriter:
         """Refuse a write that would eat into the reserve (chunks may be rewritten: count 2x).
 
         ``ahead``: bytes of the batch placed before this request, not yet in the file.
+        With the reserve at 0 the room the next flush needs is still kept: HDF5
+        meeting a full disk mid-flush can leave a file that no longer opens, and
+        then "the requests flushed before are safe" would not be true.
         """
-        if not self.reserve_bytes:
-            return
         if requests == 0:
             self._room = free_bytes(self.path)
         room = self._room - ahead
-        pending = (len(self._pending) + 1) * 256 + 2 * self._rows.chunk_bytes
-        if room < self.reserve_bytes + 2 * nbytes + pending:
+        chunks = sum(a.chunk_bytes for a in self._appenders.values())
+        pending = (len(self._pending) + 1) * 256 + 2 * chunks
+        if room < max(self.reserve_bytes, FLUSH_METADATA_BYTES) + 2 * nbytes + pending:
             raise DiskFullError(
                 f"{room:,} bytes free, {self.reserve_bytes:,} kept in reserve "
                 f"({RESERVE_ENV} sets it)"

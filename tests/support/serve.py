@@ -79,13 +79,18 @@ class ServerProcess:
     def stderr(self) -> str:
         return "".join(self.lines)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """The unlabelled-by-reason samples of /metrics, read with Prometheus' own parser."""
         import httpx
+        from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        r = httpx.get(self.url + "/metrics", timeout=10, headers=headers)
+        r.raise_for_status()
         return {
-            k.removeprefix("moetrace:"): float(v)
-            for k, v in (line.split() for line in text.splitlines() if line)
+            sample.name.removeprefix("moetrace:"): sample.value
+            for family in text_string_to_metric_families(r.text)
+            for sample in family.samples
+            if set(sample.labels) == {"model_name"}
         }
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:

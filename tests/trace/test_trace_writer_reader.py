@@ -514,3 +514,49 @@ def test_damaged_offsets_are_reported(written):
     for i in (2, 4):
         assert_same(got[i], reqs[i])
     np.testing.assert_array_equal(got[3].routed_experts, reqs[0].routed_experts[: reqs[3].num_rows])
+
+
+def test_ids_hdf5_cannot_hold_are_escaped_and_the_batch_is_kept(tmp_path):
+    """A NUL or a lone surrogate in one id once failed the whole batch's write (and the file)."""
+    from moetrace.trace.verify import verify_trace
+
+    md = make_metadata()
+    rng = np.random.default_rng(3)
+    reqs = [make_request(rng, md, i, 5, 3) for i in range(6)]
+    reqs[1].request_id = "nul\x00id"
+    reqs[4].request_id = "bad\ud800id"
+    path = tmp_path / "t.h5"
+    write(path, md, reqs, flush_every_requests=3)
+    assert verify_trace(path).status == "ok"
+    with open_trace(path) as t:
+        got = list(t)
+    assert [r.id for r in got] == [r.request_id for r in reqs[:1]] + ["nul\\x00id"] + [
+        r.request_id for r in reqs[2:4]
+    ] + ["bad\\ud800id", reqs[5].request_id]
+    for g, want in zip(got, reqs, strict=True):
+        np.testing.assert_array_equal(g.routed_experts, want.routed_experts)
+
+
+def test_reserve_zero_still_keeps_a_flushs_room(tmp_path, monkeypatch):
+    """With the reserve off the writer still stops before HDF5 meets a full disk."""
+    md = make_metadata()
+    rng = np.random.default_rng(4)
+    room = [10 << 20]
+    monkeypatch.setattr(writer_module, "free_bytes", lambda path: room[0])
+    path = tmp_path / "t.h5"
+    w = TraceWriter(path, md, chunk_rows=CHUNK, flush_every_requests=1, reserve_bytes=0).start()
+    w.submit(make_request(rng, md, 0, 5, 3))
+    deadline = time.monotonic() + 10
+    while w.flushed_requests < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.healthy
+    room[0] = writer_module.FLUSH_METADATA_BYTES  # less than a flush needs: not a byte is written
+    w.submit(make_request(rng, md, 1, 5, 3))
+    deadline = time.monotonic() + 10
+    while w.healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not w.healthy  # what the server's /health reads
+    with pytest.raises(MoetraceError, match="disk full"):
+        w.close(complete=False)
+    with open_trace(path) as t:
+        assert [r.id for r in t] == [make_request(np.random.default_rng(4), md, 0, 5, 3).request_id]
