@@ -197,6 +197,11 @@ class EngineLoop:
         return self._thread.is_alive() and self.fatal is None
 
     @property
+    def failure(self) -> Failed | None:
+        """What stopped the engine (a disk-full trace: 507), for requests that arrive after."""
+        return self._failure if self.fatal is not None else None
+
+    @property
     def healthy(self) -> bool:
         """The engine steps and, with a trace, its writer can still write (/health)."""
         return self.alive and (self.writer is None or self.writer.healthy)

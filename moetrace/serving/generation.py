@@ -48,6 +48,9 @@ async def stream_events(
     """(request index, event) as they happen, until every request has finished."""
     if ctx.draining or not ctx.loop.alive:
         ctx.loop.release([r.request_id for r in requests])  # they never reach the engine
+        failure = ctx.loop.failure  # stopped by a failure: say which (disk full: 507)
+        if failure is not None:
+            raise FieldProblem(None, failure.message, status=failure.status)
         raise FieldProblem(None, "the server is shutting down", status=503)
     queue: asyncio.Queue = asyncio.Queue()
     handles = [RequestHandle(r, queue, i) for i, r in enumerate(requests)]

@@ -628,8 +628,7 @@ class TraceWriter:
         if requests == 0:
             self._room = free_bytes(self.path)
         room = self._room - ahead
-        chunks = sum(a.chunk_bytes for a in self._appenders.values())
-        pending = (len(self._pending) + 1) * 256 + 2 * chunks
+        pending = (len(self._pending) + 1) * 256 + 2 * self._rows.chunk_bytes
         if room < max(self.reserve_bytes, FLUSH_METADATA_BYTES) + 2 * nbytes + pending:
             raise DiskFullError(
                 f"{room:,} bytes free, {self.reserve_bytes:,} kept in reserve "

@@ -109,9 +109,10 @@ def test_disk_full_stops_cleanly_and_resume_finishes(tmp_path, setup):
         _resume_elsewhere(setup, target, tmp_path)
 
 
-def test_disk_full_inside_hdf5_still_one_line_and_resumable(tmp_path, setup):
-    """No reserve: HDF5 itself hits ENOSPC/EFBIG.  The process must not crash on exit."""
-    room = (setup[2].stat().st_size + ROOM) // 2  # HDF5 fails somewhere mid-run
+def test_no_reserve_still_keeps_a_flush_and_stays_resumable(tmp_path, setup):
+    """Reserve 0: the writer still keeps the room one flush needs, so HDF5 never meets the
+    full disk mid-flush (a file it cannot close); one line, and the file resumes."""
+    room = (setup[2].stat().st_size + ROOM) // 2  # the disk fills somewhere mid-run
     with small_disk(tmp_path, 0, room=room) as (target, preexec, how):
         proc = _record(setup, target, preexec, {**ENV, RESERVE_ENV: "0"})
         assert proc.returncode == 1, (how, proc.returncode, proc.stderr)

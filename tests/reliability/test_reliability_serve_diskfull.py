@@ -10,6 +10,7 @@ the trace holds every request flushed before, intact.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 
@@ -47,7 +48,7 @@ def _ask(url: str, i: int) -> tuple[int | str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reserve", [DEFAULT_RESERVE_BYTES, 0], ids=["reserve", "hdf5-fails"])
+@pytest.mark.parametrize("reserve", [DEFAULT_RESERVE_BYTES, 0], ids=["reserve", "no-reserve"])
 def test_serve_on_a_full_disk_answers_every_request_and_keeps_the_trace(tmp_path, reserve):
     with small_disk(tmp_path, reserve, room=230_000) as (target, preexec, how):
         trace = target / "t.h5"
@@ -79,7 +80,9 @@ def test_serve_on_a_full_disk_answers_every_request_and_keeps_the_trace(tmp_path
                 assert body["error"]["message"] == "the server is shutting down", body
         assert not [body for _, body in answers if "not JSON" in body], answers
         failed = [body for status, body in answers if status == 507]
-        assert failed, statuses
+        # Requests in flight when the writer failed are told why (507); when none was, the
+        # server stopped between requests and the next ones found it gone.
+        assert failed or "server gone" in statuses, collections.Counter(map(str, statuses))
         for body in failed:
             error = body["error"]
             assert error["code"] == 507 and error["type"] == "InsufficientStorageError"
