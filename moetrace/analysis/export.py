@@ -24,6 +24,7 @@ from typing import BinaryIO, TextIO
 import numpy as np
 
 from moetrace.errors import MoetraceError
+from moetrace.output_files import STDOUT
 from moetrace.trace.reader import Trace, TraceRequest
 from moetrace.trace.wire import hidden_layer_rows, npy_base64
 
@@ -31,6 +32,16 @@ FORMATS = ("jsonl", "npz", "npy", "parquet", "eplb", "eplb-npy")
 BINARY_FORMATS = ("npz", "npy", "parquet", "eplb-npy")
 LOAD_FORMATS = ("eplb", "eplb-npy")  # one load matrix for the selection, not rows
 DTYPES = ("stored", "int32", "int64")
+# The formats a file name's extension allows, the first one what it means alone.
+SUFFIX_FORMATS = {
+    ".jsonl": ("jsonl",),
+    ".ndjson": ("jsonl",),
+    ".json": ("eplb",),
+    ".npz": ("npz",),
+    ".npy": ("npy", "eplb-npy"),
+    ".parquet": ("parquet",),
+    ".pq": ("parquet",),
+}
 LAYOUTS = ("moe", "vllm")
 PARQUET_ROWS = 65536  # routing rows per Parquet row group
 
@@ -289,6 +300,29 @@ def _parquet_table(batch: list[TraceRequest], schema, layout: Layout, row_dtype:
         pa.ListArray.from_arrays(pa.array(row_offsets), per_row),
     ]
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def format_for_output(fmt: str | None, output: str) -> str:
+    """The format to write: ``fmt`` as given, else the one ``output``'s extension names, else jsonl.
+
+    Raises ``ValueError`` (a usage error) when the extension names another format
+    than ``fmt``: ``-o t.parquet --format jsonl`` would write JSON into a
+    ``.parquet`` file that every Parquet reader then refuses.
+    """
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    allowed = None if output == STDOUT else SUFFIX_FORMATS.get(Path(output).suffix.lower())
+    if allowed is None:
+        return fmt or "jsonl"
+    if fmt is None:
+        return allowed[0]
+    if fmt not in allowed:
+        names = " or ".join(allowed)
+        raise ValueError(
+            f"{fmt} contradicts the output's extension ({output} is {names}); "
+            "rename the file or drop --format"
+        )
+    return fmt
 
 
 def check_format(fmt: str, count: int) -> None:

@@ -23,12 +23,12 @@ from moetrace.trace.reader import open_trace
 
 def export_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file."),
-    fmt: str = typer.Option(
-        "jsonl",
+    fmt: str | None = typer.Option(
+        None,
         "--format",
         "-f",
-        help="jsonl (default), npz, npy, parquet; eplb (JSON) or eplb-npy: the per-layer expert "
-        "load matrix DeepSeek's EPLB takes.",
+        help="jsonl, npz, npy, parquet; eplb (JSON) or eplb-npy: the per-layer expert load "
+        "matrix DeepSeek's EPLB takes (default: from OUTPUT's extension, else jsonl).",
     ),
     output: str = typer.Option(
         STDOUT, "-o", "--output", help="File to write; '-' (the default): standard output."
@@ -83,9 +83,14 @@ def export_command(
         LOAD_FORMATS,
         Layout,
         check_format,
+        format_for_output,
     )
     from moetrace.analysis.load import PARTS, select_positions
 
+    try:
+        fmt = format_for_output(fmt, output)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--format'") from None
     if dtype not in DTYPES:
         raise MoetraceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_format(fmt, 1)
