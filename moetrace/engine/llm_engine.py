@@ -17,6 +17,7 @@ from moetrace.engine.model_runner import LaunchedStep, ModelRunner, set_kernel_p
 from moetrace.engine.precompile import count_compiles, precompile
 from moetrace.engine.request import Request, RequestStatus, Scoring
 from moetrace.engine.sampling import SamplingParams
+from moetrace.engine.sampling_inputs import effective_seed
 from moetrace.engine.scheduler import Scheduler
 from moetrace.engine.stop_strings import StopStringMatcher, StreamingDecoder
 from moetrace.errors import CapacityError, MoetraceError
@@ -430,6 +431,11 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
             sample_index=request.sample_index,
             stop_reason=request.stop_reason,
+            sampling_params=(
+                {}
+                if request.scoring is not None  # teacher-forced: nothing was sampled
+                else request.sampling.recorded(effective_seed(request, self.config.seed))
+            ),
             output_text=request.output_text,
             logprobs=logprobs,
             output_logprobs=None if logprobs is None else logprobs.token_logprob,

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -28,6 +30,7 @@ from moetrace.trace.file_checks import whole_file_problems
 from moetrace.trace.integrity import expected_num_rows, file_problem, plain_value, request_checksum
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
+from moetrace.trace.output_text import decode_output, load_tokenizer
 from moetrace.trace.records import (
     ARRAYS,
     COLUMNS,
@@ -42,6 +45,9 @@ from moetrace.trace.records import (
     FinishedRequest,
     RecordDecoder,
 )
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # Root attributes written as JSON text (docs/trace-format.md), with their value when absent.
 JSON_ATTRIBUTES = {
@@ -62,11 +68,35 @@ class TraceRequest(FinishedRequest):
     row_start: int
     token_start: int
     checksum: int
+    # Gives the trace's tokenizer (loaded once, when first asked), for ``output_text``.
+    text_tokenizer: Callable[[], Tokenizer | None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def id(self) -> str:
         """The request id (the table's name for ``request_id``)."""
         return self.request_id
+
+    @property  # type: ignore[override]  (a field of FinishedRequest, decoded here on demand)
+    def output_text(self) -> str | None:
+        """The output as text, as the engine gave it (trace/output_text.py); None without a
+        tokenizer."""
+        tok = None if self.text_tokenizer is None else self.text_tokenizer()
+        if self._output_text is None and tok is not None:
+            self._output_text = decode_output(
+                tok,
+                self.prompt_token_ids,
+                self.output_token_ids,
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+                sampling_params=self.sampling_params,
+            )
+        return self._output_text
+
+    @output_text.setter
+    def output_text(self, value: str | None) -> None:
+        self._output_text = value
 
 
 class Trace:
@@ -239,6 +269,14 @@ class Trace:
         """
         return tokenizer_files.read(self._file)
 
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer the trace carries (else the one at the path it names), or None."""
+        return load_tokenizer(self.tokenizer_files, self.metadata.get("tokenizer") or None)
+
+    def _tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
     @property
     def sample_indices(self) -> np.ndarray:
         """Each record's sample index (several samples of one prompt); zeros in older files."""
@@ -338,9 +376,9 @@ class Trace:
             if column.name in columns or column.kind == PLACED:
                 continue
             columns[column.name] = (
-                [column.from_table(v) for v in t[column.name].tolist()]
+                [column.from_table(plain_value(v)) for v in t[column.name].tolist()]
                 if column.name in held
-                else [column.default] * len(t)
+                else [column.default_value for _ in range(len(t))]
             )
         return pd.DataFrame(columns, index=pd.RangeIndex(len(t), name="record"))
 
@@ -405,7 +443,7 @@ class Trace:
         fields = self._decoder.fields(rec)
         for a in self._arrays:
             fields.update(a.fields(slices[a.name], int(rec["prompt_len"])))
-        return TraceRequest(position=pos, **fields)
+        return TraceRequest(position=pos, text_tokenizer=self._tokenizer, **fields)
 
     def iter_prompt_tokens(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(id, prompt_token_ids)`` of every request, reading token ids only (no rows)."""
