@@ -48,6 +48,11 @@ def export_command(
         help="moe: one entry per MoE layer; vllm: every hidden layer, dense layers zero "
         "(vLLM's array).",
     ),
+    array: str = typer.Option(
+        "routed_experts",
+        "--array",
+        help="npy: which array of the request: routed_experts, routed_weights or token_logprobs.",
+    ),
     part: str = typer.Option(
         "all", "--part", help="eplb formats: the load of all, prompt or output tokens."
     ),
@@ -65,10 +70,13 @@ def export_command(
 ) -> None:
     r"""Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
 
-    Each JSON line has id, sample_index, index, finish_reason, prompt_token_ids,
-    output_token_ids and routed_experts: base64 of the .npy bytes (as vLLM and
-    SGLang send it), with shape and dtype.  Decode with
+    Each JSON line has id, sample_index, index, finish_reason, stop_reason,
+    prompt_token_ids, output_token_ids and routed_experts: base64 of the .npy
+    bytes (as vLLM sends it), with shape and dtype; and what else the trace
+    holds: routed_weights (the same encoding), token_logprobs (one per output
+    token) and sampling_params.  Decode with
     np.load(io.BytesIO(base64.b64decode(line["routed_experts"]))).
+    npz and Parquet carry the same fields; npy one array of one request.
     Parquet has one row per request (pandas, datasets, Arrow read it).
     eplb writes the \[num_moe_layers, num_experts] token-expert counts of the
     selection (EPLB's weight) as JSON, eplb-npy as .npy (\[windows, layers,
@@ -82,6 +90,7 @@ def export_command(
         DTYPES,
         LOAD_FORMATS,
         Layout,
+        check_array,
         check_format,
         format_for_output,
     )
@@ -94,6 +103,10 @@ def export_command(
     if dtype not in DTYPES:
         raise MoetraceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_format(fmt, 1)
+    if fmt != "npy" and array != "routed_experts":
+        raise typer.BadParameter(
+            f"applies to --format npy (the {fmt} format holds every array)", param_hint="'--array'"
+        )
     if fmt not in LOAD_FORMATS and (part != "all" or window_tokens is not None):
         raise MoetraceError("--part and --window-tokens apply to --format eplb and eplb-npy")
     if part not in PARTS:
@@ -112,7 +125,9 @@ def export_command(
         rows_layout = Layout.of(trace, layout)
         positions = select_positions(trace, request, request_range)
         check_format(fmt, trace.num_requests if positions is None else len(positions))
-        what = (positions, dtype, rows_layout, part, window_tokens)
+        if fmt == "npy":
+            check_array(trace, array)
+        what = (positions, dtype, rows_layout, part, window_tokens, array)
         if to_stdout:  # a closed pipe (`| head`) ends the command quietly
             _write(fmt, trace, what, None)
             return
@@ -125,15 +140,10 @@ def export_command(
 
 def _write(fmt: str, trace, what: tuple, path: Path | None) -> None:
     """One format to ``path``, or to standard output when None."""
-    from moetrace.analysis.export import (
-        selected_requests,
-        write_jsonl,
-        write_npy,
-        write_npz,
-        write_parquet,
-    )
+    from moetrace.analysis.export import selected_requests, write_jsonl, write_npy, write_npz
+    from moetrace.analysis.export_parquet import write_parquet
 
-    positions, dtype, layout, part, window_tokens = what
+    positions, dtype, layout, part, window_tokens, array = what
     if fmt in ("eplb", "eplb-npy"):
         _write_load(fmt, trace, positions, part, window_tokens, path)
         return
@@ -149,7 +159,7 @@ def _write(fmt: str, trace, what: tuple, path: Path | None) -> None:
         if fmt == "npz":
             write_npz(trace, positions, out, dtype, layout)
         elif fmt == "npy":
-            write_npy(next(selected_requests(trace, positions)), out, dtype, layout)
+            write_npy(next(selected_requests(trace, positions)), out, dtype, layout, array)
         else:
             write_parquet(trace, positions, out, dtype, layout)
         out.flush()

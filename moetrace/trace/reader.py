@@ -247,6 +247,11 @@ class Trace:
         return None if ds is None else ds.dtype.name
 
     @property
+    def arrays(self) -> dict[str, str]:
+        """The flat datasets the trace holds (trace-format.md), each with its dtype."""
+        return {a.name: self._data[a.name].dtype.name for a in self._arrays}
+
+    @property
     def has_logprobs(self) -> bool:
         """Whether the trace holds output tokens' log-probabilities."""
         return LOGPROBS in self._data
