@@ -32,7 +32,7 @@ from moetrace.output_files import STDOUT
 from moetrace.trace.reader import Trace, TraceRequest
 from moetrace.trace.wire import hidden_layer_rows, npy_base64
 
-FORMATS = ("jsonl", "npz", "npy", "parquet", "eplb", "eplb-npy")
+FORMATS = ("jsonl", "npz", "npy", "parquet", "openai-batch", "eplb", "eplb-npy")
 # The per-token arrays a request may carry, by their exported names (``--array`` for .npy).
 ROUTED_EXPERTS, ROUTED_WEIGHTS, TOKEN_LOGPROBS = (
     "routed_experts",
@@ -45,8 +45,8 @@ LOAD_FORMATS = ("eplb", "eplb-npy")  # one load matrix for the selection, not ro
 DTYPES = ("stored", "int32", "int64")
 # The formats a file name's extension allows, the first one what it means alone.
 SUFFIX_FORMATS = {
-    ".jsonl": ("jsonl",),
-    ".ndjson": ("jsonl",),
+    ".jsonl": ("jsonl", "openai-batch"),
+    ".ndjson": ("jsonl", "openai-batch"),
     ".json": ("eplb",),
     ".npz": ("npz",),
     ".npy": ("npy", "eplb-npy"),

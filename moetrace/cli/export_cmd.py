@@ -27,8 +27,9 @@ def export_command(
         None,
         "--format",
         "-f",
-        help="jsonl, npz, npy, parquet; eplb (JSON) or eplb-npy: the per-layer expert load "
-        "matrix DeepSeek's EPLB takes (default: from OUTPUT's extension, else jsonl).",
+        help="jsonl, npz, npy, parquet; openai-batch: the lines vllm run-batch writes; eplb "
+        "(JSON) or eplb-npy: the per-layer expert load matrix DeepSeek's EPLB takes (default: "
+        "from OUTPUT's extension, else jsonl).",
     ),
     output: str = typer.Option(
         STDOUT, "-o", "--output", help="File to write; '-' (the default): standard output."
@@ -78,6 +79,9 @@ def export_command(
     np.load(io.BytesIO(base64.b64decode(line["routed_experts"]))).
     npz and Parquet carry the same fields; npy one array of one request.
     Parquet has one row per request (pandas, datasets, Arrow read it).
+    openai-batch writes what vllm run-batch would have (one line per input line:
+    custom_id, response.body with choices[].text or .message.content,
+    token_ids and routed_experts).
     eplb writes the \[num_moe_layers, num_experts] token-expert counts of the
     selection (EPLB's weight) as JSON, eplb-npy as .npy (\[windows, layers,
     experts] with --window-tokens).  Binary formats go to standard output only
@@ -142,17 +146,23 @@ def _write(fmt: str, trace, what: tuple, path: Path | None) -> None:
     """One format to ``path``, or to standard output when None."""
     from moetrace.analysis.export import selected_requests, write_jsonl, write_npy, write_npz
     from moetrace.analysis.export_parquet import write_parquet
+    from moetrace.analysis.openai_batch import write_openai_batch
 
     positions, dtype, layout, part, window_tokens, array = what
     if fmt in ("eplb", "eplb-npy"):
         _write_load(fmt, trace, positions, part, window_tokens, path)
         return
-    if fmt == "jsonl":
-        if path is None:
-            write_jsonl(selected_requests(trace, positions), sys.stdout, dtype, layout)
-            return
-        with open(path, "w", encoding="utf-8") as f:
-            write_jsonl(selected_requests(trace, positions), f, dtype, layout)
+    if fmt in ("jsonl", "openai-batch"):
+        with contextlib.ExitStack() as stack:
+            out = (
+                sys.stdout
+                if path is None
+                else stack.enter_context(open(path, "w", encoding="utf-8"))
+            )
+            if fmt == "jsonl":
+                write_jsonl(selected_requests(trace, positions), out, dtype, layout)
+            else:
+                write_openai_batch(trace, positions, out, dtype)
         return
     with contextlib.ExitStack() as stack:
         out = sys.stdout.buffer if path is None else stack.enter_context(open(path, "wb"))

@@ -223,10 +223,12 @@ class LLMEngine:
         *,
         index: int = 0,
         samples: Sequence[int] | None = None,
+        extra: dict | None = None,
     ) -> list[Request]:
         """Queue a prompt; ``sampling.n`` > 1 queues that many samples of it (ids ``"i_<id>"``).
 
         ``samples``: only these sample indices (a resumed run redoes the missing ones).
+        ``extra``: JSON-able facts about the request its finished record carries (``extra``).
         Returns the queued samples' ``Request``s, which show their tokens as steps complete.
         """
         if request_id in self._samples:
@@ -254,6 +256,7 @@ class LLMEngine:
                 parent_id=request_id,
                 stop_strings=self._stop_strings(prompt_token_ids, params),
             )
+            request.extra = dict(extra or {})
             self._requests[engine_id] = request
             self.scheduler.add(request)
             queued.append(request)
@@ -429,6 +432,7 @@ class LLMEngine:
             finish_reason=request.status.value,
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_preemptions=request.num_preemptions,
+            extra=request.extra,
             sample_index=request.sample_index,
             stop_reason=request.stop_reason,
             sampling_params=(

@@ -106,6 +106,7 @@ class Request:
         self.block_table: list[int] = []
         self.status = RequestStatus.WAITING
         self.scoring = scoring
+        self.extra: dict = {}  # what the caller attaches; the finished record carries it
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -32,7 +32,7 @@ from moetrace.engine.llm_engine import LLMEngine, RequestRejected, request_probl
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError, InputError, ModelError, MoetraceError
 from moetrace.inputs.intake import Intake
-from moetrace.inputs.prompts import STDIN, PromptSpec, iter_prompts, line_limit
+from moetrace.inputs.prompts import CHAT_URL, STDIN, PromptSpec, iter_prompts, line_limit
 from moetrace.inputs.shards import select_shard, shard_settings
 from moetrace.models.demo import model_dir
 from moetrace.models.fingerprint import weights_digest
@@ -612,7 +612,9 @@ class Recording:
         """Queue one prompt's samples; returns the error that ends the intake, if any."""
         spec, ids, params, samples = item
         try:
-            engine.add_request(spec.id, ids, params, index=spec.index, samples=samples)
+            engine.add_request(
+                spec.id, ids, params, index=spec.index, samples=samples, extra=_route(spec)
+            )
         except RequestRejected as err:
             bad = InputError(self.source, spec.line, err.field, err.problem)
             if not self.skip_invalid:
@@ -644,6 +646,12 @@ class Recording:
             f"({result.requests} from this run{kept}); {result.dropped_in_flight} in flight were "
             "dropped; marked incomplete, rerun with --resume to finish"
         )
+
+
+def _route(spec: PromptSpec) -> dict:
+    """What a record keeps of how the request was asked: a chat names the chat route, so
+    that ``export --format openai-batch`` answers it as vLLM's run-batch would."""
+    return {"url": CHAT_URL} if spec.messages is not None else {}
 
 
 @contextlib.contextmanager
