@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from moetrace.cli.trace_notes import note_if_being_written
+from moetrace.cli.trace_notes import note_if_being_written, unchecked_read_advice
 from moetrace.errors import MoetraceError
 from moetrace.output_files import (
     STDOUT,
@@ -18,6 +18,7 @@ from moetrace.output_files import (
     refuse_binary_terminal,
     replacing,
 )
+from moetrace.trace.checked_rows import DamagedTraceError
 from moetrace.trace.reader import open_trace
 
 
@@ -124,7 +125,7 @@ def export_command(
     else:
         check_not_an_input(output, [("the trace being exported", trace_path)])
         check_new_output(output, overwrite=overwrite)
-    with open_trace(trace_path, verify=not no_verify_checksums) as trace:
+    with unchecked_read_advice(), open_trace(trace_path, verify=not no_verify_checksums) as trace:
         note_if_being_written(trace)
         rows_layout = Layout.of(trace, layout)
         positions = select_positions(trace, request, request_range)
@@ -138,6 +139,8 @@ def export_command(
         try:
             with replacing(output) as temporary:
                 _write(fmt, trace, what, temporary)
+        except DamagedTraceError:  # a chunk of the trace that cannot be read, not the output
+            raise
         except OSError as exc:
             raise MoetraceError(f"cannot write {output}: {exc.strerror or exc}") from None
 

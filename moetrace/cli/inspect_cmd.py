@@ -11,7 +11,7 @@ from rich.console import Console
 
 from moetrace.analysis.views import registry
 from moetrace.cli.pipes import StdoutConsole
-from moetrace.cli.trace_notes import note_if_being_written
+from moetrace.cli.trace_notes import note_if_being_written, unchecked_read_advice
 from moetrace.trace.reader import open_trace
 
 VIEW_HELP = "; ".join(f"{v.name}: {v.help}" for v in registry())
@@ -116,7 +116,7 @@ def inspect_command(
         check_plot_path(plot)
         if "load" not in (opts.views or ["load"]):
             opts.views = [*opts.views, "load"]
-    with open_trace(trace_path, verify=not no_verify_checksums) as trace:
+    with unchecked_read_advice(), open_trace(trace_path, verify=not no_verify_checksums) as trace:
         note_if_being_written(trace)
         report = inspect_report(trace, opts)
     if plot is not None:

@@ -25,7 +25,7 @@ from moetrace.engine.precompile import start_compile_workers, stop_compile_worke
 from moetrace.engine.sampling import sampling_problem
 from moetrace.errors import ModelError, MoetraceError
 from moetrace.inputs.tokenizer import Tokenizer
-from moetrace.models.demo import cached_model, model_dir
+from moetrace.models.demo import DEMO_NAME, cached_model, model_dir
 from moetrace.models.loader import LoadedModel
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.tokenizer_files import collect as collect_tokenizer_files
@@ -70,7 +70,13 @@ def resolve_device(name: str) -> torch.device:
 
 def load_tokenizer(model: str, tokenizer: str | None = None) -> Tokenizer | None:
     """The model's tokenizer, or the one ``--tokenizer`` names (a directory or a model id)."""
-    path = model_dir(tokenizer or model)
+    try:
+        path = model_dir(tokenizer or model)
+    except ModelError as exc:  # named as the option, not as a model
+        if tokenizer is None:
+            raise
+        problem = str(exc).removeprefix(f"model {tokenizer!r}: ")
+        raise MoetraceError(f"--tokenizer {tokenizer}: {problem}") from None
     if not (path / "tokenizer.json").exists():
         if tokenizer is not None:
             raise MoetraceError(f"--tokenizer {tokenizer}: no tokenizer.json in {path}")
@@ -83,9 +89,10 @@ def model_with_revision(model: str, revision: str | None, option: str = "--revis
     if revision is None:
         return model
     if cached_model(model) is None:
+        what = "'demo' is the built-in model" if model == DEMO_NAME else f"{model!r} is a directory"
         raise MoetraceError(
-            f"{option} {revision}: {model!r} is a directory, not a model id from the Hugging "
-            "Face cache"
+            f"{option} {revision}: {what}, not a model id from the Hugging Face cache (only "
+            "those have revisions)"
         )
     cached_model(f"{model}@{revision}")  # refused now, with the revisions the cache holds
     return f"{model}@{revision}"

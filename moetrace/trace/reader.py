@@ -26,7 +26,11 @@ from moetrace.trace.checked_rows import (
     damaged,
     damaged_file,
 )
-from moetrace.trace.file_checks import whole_file_problems
+from moetrace.trace.file_checks import (
+    check_variable_length,
+    checked_attributes,
+    whole_file_problems,
+)
 from moetrace.trace.integrity import expected_num_rows, file_problem, plain_value, request_checksum
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
@@ -108,7 +112,7 @@ class Trace:
         # raises DamagedTraceError naming the request instead of reaching a consumer.
         self.verify_reads = verify
         if not self.path.is_file():
-            raise MoetraceError(f"no such trace file: {self.path}")
+            raise MoetraceError(not_a_trace_file(self.path))
         # A run writing it holds its lock (trace/lock.py): what is flushed reads, and the
         # records past it are left out as after a kill; a failed read says why it may fail.
         self.writer_pid = writer_pid(self.path)
@@ -145,16 +149,16 @@ class Trace:
 
     def _load(self) -> None:
         f = self._file
-        fmt = plain_value(f.attrs.get("format"))
+        self.metadata: dict = checked_attributes(f.attrs)
+        fmt = self.metadata.get("format")
         if fmt != FORMAT_NAME:
             raise MoetraceError(f"not a moetrace trace (format attribute {fmt!r}): {self.path}")
-        version = int(f.attrs.get("format_version", 0))
+        version = int(self.metadata.get("format_version", 0))
         if version > FORMAT_VERSION:
             raise MoetraceError(
                 f"trace format version {version} is newer than this moetrace reads "
                 f"({FORMAT_VERSION}); upgrade moetrace: {self.path}"
             )
-        self.metadata: dict = {k: plain_value(v) for k, v in f.attrs.items()}
         # Attributes stored as JSON text come back as what they hold.
         for name, empty in JSON_ATTRIBUTES.items():
             self.metadata[name] = json.loads(self.metadata.get(name) or empty)
@@ -166,6 +170,7 @@ class Trace:
         self._arrays = [a for a in ARRAYS if a.name in f]
         self._data = {a.name: f[a.name] for a in self._arrays}
         self._routed, self._tokens, table = f[ROUTED_EXPERTS], f[TOKEN_IDS], f[REQUESTS]
+        check_variable_length(table.dtype, "the request table")
         try:
             self._decoder = RecordDecoder(table.dtype)
         except ValueError as exc:
@@ -438,7 +443,7 @@ class Trace:
         except (OSError, RuntimeError, ValueError) as exc:
             raise UnreadableDataError(
                 f"{self.path}: {name}[{start}:{stop}] cannot be read, the file is damaged "
-                f"({_one_line(exc)}); 'moetrace verify' names the requests hit"
+                f"({_one_line(exc)})"
             ) from None
 
     def _make(self, pos: int, slices: dict[str, np.ndarray], check: bool) -> TraceRequest:
@@ -657,3 +662,12 @@ def open_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def not_a_trace_file(path: Path) -> str:
+    """What stands at a trace path that is not a regular file, in words."""
+    if path.is_dir():
+        return f"{path} is a directory, not a trace file"
+    if path.exists():
+        return f"{path} is not a regular file, so not a trace file"
+    return f"no such trace file: {path}"

@@ -514,3 +514,14 @@ def test_damaged_offsets_are_reported(written):
     for i in (2, 4):
         assert_same(got[i], reqs[i])
     np.testing.assert_array_equal(got[3].routed_experts, reqs[0].routed_experts[: reqs[3].num_rows])
+
+
+def test_a_directory_is_not_called_missing(tmp_path):
+    from support.cli import moetrace
+
+    for command in (["inspect"], ["export"], ["verify"]):
+        proc = moetrace(*command, str(tmp_path))
+        assert proc.returncode == 1, (command, proc.stderr)
+        assert proc.stderr.splitlines() == [f"error: {tmp_path} is a directory, not a trace file"]
+    proc = moetrace("inspect", str(tmp_path / "nothing.h5"))
+    assert proc.stderr.splitlines() == [f"error: no such trace file: {tmp_path / 'nothing.h5'}"]
