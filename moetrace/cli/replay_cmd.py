@@ -156,7 +156,8 @@ def _summarise(result: ReplayResult, console: Console) -> None:
     console.print(
         f"[green]wrote[/green] {result.path}: {result.requests} requests replayed through "
         f"{info['model']} ({info['dtype']} on {info['device']}{forced}), {result.rows:,} rows, "
-        f"{result.scored_tokens:,} output tokens scored in {result.elapsed_s:.1f} s",
+        f"{result.scored_tokens:,} output tokens scored in {result.elapsed_s:.1f} s"
+        + ("" if result.complete else " (marked incomplete: the trace replayed is)"),
         highlight=False,
         soft_wrap=True,
     )
