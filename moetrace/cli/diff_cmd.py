@@ -29,6 +29,7 @@ def diff_command(
     plot: Path | None = typer.Option(
         None, "--plot", help="Write per-layer mismatch charts (.png .svg .pdf .html)."
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --plot file."),
 ) -> None:
     """Compare the routing of A and B token by token: per-layer and per-token mismatch,
     Jaccard overlap of the top-k sets, first diverging layer (R3's figures).
@@ -40,7 +41,7 @@ def diff_command(
     Example: moetrace diff bf16.h5 fp32.h5
     """
     try:
-        result = _diff(trace_a, trace_b, as_json, match, request, limit, plot)
+        result = _diff(trace_a, trace_b, as_json, match, request, limit, plot, overwrite)
     except MoetraceError as exc:  # diff(1)'s "trouble"
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -65,11 +66,12 @@ def _diff(
     request: list[str],
     limit: int,
     plot: Path | None,
+    overwrite: bool,
 ) -> dict:
     if plot is not None:
         from moetrace.analysis.plots import check_plot_path
 
-        check_plot_path(plot)
+        check_plot_path(plot, overwrite=overwrite, inputs=[trace_a, trace_b])
     with open_trace(trace_a) as a, open_trace(trace_b) as b:
         result = diff_traces(
             a, b, match=match, ids=request or None, detail_limit=limit if not as_json else 50

@@ -74,6 +74,7 @@ def inspect_command(
         "--plot",
         help="Write a layer x expert heatmap + imbalance chart (.png .svg .pdf .html).",
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --plot file."),
     chunk_rows: int = typer.Option(16384, "--chunk-rows", help="Rows read at a time.", hidden=True),
     no_verify_checksums: bool = typer.Option(
         False,
@@ -113,7 +114,7 @@ def inspect_command(
     if plot is not None:
         from moetrace.analysis.plots import check_plot_path
 
-        check_plot_path(plot)
+        check_plot_path(plot, overwrite=overwrite, inputs=[trace_path])
         if "load" not in (opts.views or ["load"]):
             opts.views = [*opts.views, "load"]
     with unchecked_read_advice(), open_trace(trace_path, verify=not no_verify_checksums) as trace:
