@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace.analysis.diff import diff_exit_code, diff_traces
+from moetrace.analysis.views._tables import id_table
 from moetrace.cli.pipes import StdoutConsole, stop_quietly
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import open_trace
@@ -203,25 +204,20 @@ def render_diff(console: Console, d: dict, limit: int) -> None:
 
     details = d["request_detail"]
     if details:
-        r = Table(title="requests that differ", box=box.SIMPLE_HEAVY)
-        for name in (
-            "id",
-            "compared",
-            "left out",
-            "diverge at",
-            "tokens differ",
-            "first",
-            "Jaccard",
-        ):
-            r.add_column(name, justify="left" if name == "id" else "right")
-        for x in details[: limit or None]:
-            r.add_row(
+        headers = ("compared", "left out", "diverge at", "tokens differ", "first", "Jaccard")
+        cells = [
+            (
                 x["id"],
-                f"{x['compared_rows']:,}",
-                f"{x['excluded_rows']:,}",
-                "-" if x["tokens_diverge_at"] is None else str(x["tokens_diverge_at"]),
-                f"{x['tokens_with_difference']:,}",
-                "-" if x["first_differing_token"] is None else str(x["first_differing_token"]),
-                "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
+                [
+                    f"{x['compared_rows']:,}",
+                    f"{x['excluded_rows']:,}",
+                    "-" if x["tokens_diverge_at"] is None else str(x["tokens_diverge_at"]),
+                    f"{x['tokens_with_difference']:,}",
+                    "-" if x["first_differing_token"] is None else str(x["first_differing_token"]),
+                    "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
+                ],
             )
-        console.print(r)
+            for x in details[: limit or None]
+        ]
+        columns = [(h, "right") for h in headers]
+        console.print(id_table("requests that differ", console.width, columns, cells))
