@@ -16,6 +16,11 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
+def install_extra(extra: str) -> str:
+    """How to add an optional extra: moetrace is installed from its clone, not an index."""
+    return f"in moetrace's clone: make extra EXTRA={extra} (or pip install -e '.[{extra}]')"
+
+
 class MoetraceError(Exception):
     """A problem the user can fix, described in one line."""
 

@@ -22,7 +22,7 @@ from moetrace.analysis.export import (
     request_array,
     selected_requests,
 )
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, install_extra
 from moetrace.trace.reader import Trace, TraceRequest
 
 PARQUET_ROWS = 65536  # routing rows per Parquet row group
@@ -95,9 +95,7 @@ def write_parquet(
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise MoetraceError(
-            "--format parquet needs pyarrow: pip install 'moetrace[parquet]'"
-        ) from None
+        raise MoetraceError(f"--format parquet needs pyarrow: {install_extra('parquet')}") from None
     layout = layout or Layout.of(trace, "moe")
     schema = _schema(trace, layout, dtype)
     count = 0

@@ -1,6 +1,6 @@
 """Pictures of routing, for looking rather than reading: PNG, SVG, PDF or a self-contained HTML page.
 
-matplotlib is an optional dependency (``pip install 'moetrace[plot]'``); it is
+matplotlib is an optional dependency (the ``plot`` extra); it is
 imported only when a plot is asked for.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from moetrace.analysis.balance import gini
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, install_extra
 from moetrace.output_files import check_new_output, check_not_an_input, replacing
 from moetrace.trace.stats import load_stats
 
@@ -26,9 +26,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MoetraceError(
-            "--plot needs matplotlib: pip install 'moetrace[plot]' (or pip install matplotlib)"
-        ) from None
+        raise MoetraceError(f"--plot needs matplotlib: {install_extra('plot')}") from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

@@ -10,7 +10,7 @@ import typer
 
 from moetrace.cli import engine_options as opts
 from moetrace.cli.engine_runs import parallel_or_worker
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, install_extra
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -98,9 +98,7 @@ def serve_command(
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise MoetraceError(
-            f"moetrace serve needs {exc.name}: pip install 'moetrace[serve]'"
-        ) from None
+        raise MoetraceError(f"moetrace serve needs {exc.name}: {install_extra('serve')}") from None
     from moetrace.runs.setup import check_supported
     from moetrace.serving.server import Server
     from moetrace.trace.writer import unclosed_traces

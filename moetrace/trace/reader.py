@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, install_extra
 from moetrace.trace import tokenizer_files
 from moetrace.trace.checked_rows import (
     RowChecksums,
@@ -358,13 +358,13 @@ class Trace:
         dict) and the offsets row_start and token_start, then any column
         declared since in ``trace/records.py`` (its default where the file
         predates it); the index is the record number.  Needs pandas
-        (``pip install 'moetrace[pandas]'``).
+        (the ``pandas`` extra).
         """
         try:
             import pandas as pd
         except ImportError:
             raise MoetraceError(
-                "Trace.to_pandas needs pandas: pip install 'moetrace[pandas]'"
+                f"Trace.to_pandas needs pandas: {install_extra('pandas')}"
             ) from None
         t = self._table
         columns = {

@@ -147,7 +147,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     from moetrace.analysis import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MoetraceError, match=r"pip install 'moetrace\[plot\]'"):
+    with pytest.raises(MoetraceError, match=r"make extra EXTRA=plot"):
         plots.check_plot_path(tmp_path / "x.png", overwrite=False, inputs=[])
     with pytest.raises(MoetraceError, match="must end in"):
         plots.check_plot_path(tmp_path / "x.jpg", overwrite=False, inputs=[])
