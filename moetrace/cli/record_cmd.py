@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetrace.cli import engine_options as opts
 from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
+from moetrace.cli.progress_lines import DEFAULT_INTERVAL_S, ProgressLines, check_interval
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
@@ -90,6 +91,11 @@ def record_command(
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="No progress bar, no start-up breakdown: the result line only."
     ),
+    log_stats_interval: float = typer.Option(
+        DEFAULT_INTERVAL_S,
+        "--log-stats-interval",
+        help="Seconds between progress lines when standard error is no terminal (a log file).",
+    ),
     tensor_parallel_size: int | None = opts.TENSOR_PARALLEL_SIZE,
     enable_expert_parallel: bool = opts.ENABLE_EXPERT_PARALLEL,
     sequence_parallel_moe: bool = opts.SEQUENCE_PARALLEL_MOE,
@@ -118,6 +124,7 @@ def record_command(
     )
     from moetrace.signals import GracefulStop, set_exit_context, signal_name
 
+    check_interval(log_stats_interval)
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
     refuse_remote_code(trust_remote_code)
     model = model_with_revision(model, revision)
@@ -181,8 +188,10 @@ def record_command(
         driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0
         if quiet:
             result = recording.run(stop=stop)
-        else:
+        elif console.is_terminal:
             result = _run_with_progress(recording, console, stop)
+        else:
+            result = _run_with_lines(recording, log_stats_interval, stop)
         set_exit_context(f"after {output} was written and closed (it is complete)")
     _summarise(result, console, startup=not quiet)
     if not quiet:
@@ -245,6 +254,20 @@ def _run_with_progress(recording: Recording, console: Console, stop: GracefulSto
             bar.update(task, completed=result.requests, total=total, rate=rate, rows=result.rows)
 
         return recording.run(progress=update, stop=stop)
+
+
+def _run_with_lines(recording: Recording, interval_s: float, stop: GracefulStop) -> RecordResult:
+    lines = ProgressLines("recording", sys.stderr, interval_s)
+
+    def update(result: RecordResult, total: int | None) -> None:
+        lines.update(
+            result.requests,
+            total,
+            prompt=result.prompt_tokens_computed,
+            generation=result.tokens_generated,
+        )
+
+    return recording.run(progress=update, stop=stop)
 
 
 def _summarise(result: RecordResult, console: Console, *, startup: bool) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from moetrace.cli import engine_options as opts
 from moetrace.cli.diff_cmd import render_diff
 from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
 from moetrace.cli.pipes import StdoutConsole
+from moetrace.cli.progress_lines import DEFAULT_INTERVAL_S, ProgressLines, check_interval
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a replay runs
@@ -56,6 +58,11 @@ def replay_command(
     report: Path | None = typer.Option(None, "--report", help="Also write the report as JSON."),
     limit: int = typer.Option(10, "--limit", help="Requests listed in detail (0: all)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    log_stats_interval: float = typer.Option(
+        DEFAULT_INTERVAL_S,
+        "--log-stats-interval",
+        help="Seconds between progress lines when standard error is no terminal (a log file).",
+    ),
 ) -> None:
     """Teacher-force every sequence of TRACE through MODEL into OUTPUT, and compare.
 
@@ -75,6 +82,7 @@ def replay_command(
     from moetrace.runs.setup import model_with_revision
     from moetrace.signals import GracefulStop
 
+    check_interval(log_stats_interval)
     model = model_with_revision(model, revision)
     parallel = parallel_or_worker(
         model,
@@ -119,7 +127,16 @@ def replay_command(
             extra_settings=parallel_settings(parallel),
         )
         driver.start(worker_spec(replay))
-        result = replay.run(stop=stop) if quiet else _run_with_progress(replay, console, stop)
+        if quiet:
+            result = replay.run(stop=stop)
+        elif console.is_terminal:
+            result = _run_with_progress(replay, console, stop)
+        else:
+            lines = ProgressLines("replaying", sys.stderr, log_stats_interval)
+            result = replay.run(
+                progress=lambda r, total: lines.update(r.requests, total, scoring=r.rows),
+                stop=stop,
+            )
     if report is not None:
         try:
             report.write_text(json.dumps(result.report, indent=2) + "\n")

@@ -71,6 +71,7 @@ class StartupTimes:
 class EngineStats:
     steps: int = 0
     output_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (not served by the prefix cache)
     preemptions: int = 0
 
 
@@ -374,6 +375,7 @@ class LLMEngine:
         finished = self.scheduler.update(step.output, sampled, step.logprobs())
         self.stats.steps += 1
         self.stats.output_tokens = self.scheduler.tokens_appended
+        self.stats.prompt_tokens += step.output.num_prompt_tokens
         return [self._finish(r) for r in finished]
 
     def _drain(self) -> list[FinishedRequest]:

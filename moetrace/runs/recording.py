@@ -138,6 +138,9 @@ class RecordResult:
     startup: dict[str, float] = field(default_factory=dict)  # seconds by phase, before step 1
     kernel_variants: int = 0
     late_compiles: int = 0  # kernel variants compiled one by one during start-up
+    # As steps complete, from the engine (requests still running included): for throughput.
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (not cache hits)
+    tokens_generated: int = 0
 
 
 def _input_error_dict(err: InputError) -> dict:
@@ -548,6 +551,8 @@ class Recording:
                     _count(result, finished)
                 if progress is not None:
                     result.elapsed_s = time.perf_counter() - start
+                    result.prompt_tokens_computed = engine.stats.prompt_tokens
+                    result.tokens_generated = engine.stats.output_tokens
                     progress(result, self.total)
             # A signal that came before this point marks the file incomplete, even if the
             # input ended meanwhile: the run stopped on request, and --resume completes it.
