@@ -30,6 +30,12 @@ class MoetraceError(Exception):
         super().__init__(*args)
 
 
+class UsageError(MoetraceError):
+    """An option value the command cannot take, found where only the model or the trace
+    tells (``--max-model-len`` past the context, ``--token`` past the vocabulary): one
+    line and exit 2, as click's usage errors."""
+
+
 class InputError(MoetraceError):
     """A prompt line that cannot be used; names file, line and field."""
 

@@ -17,7 +17,7 @@ from moetrace.cli.record_cmd import record_command
 from moetrace.cli.replay_cmd import replay_command
 from moetrace.cli.serve_cmd import serve_command
 from moetrace.cli.verify_cmd import verify_command
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, UsageError
 
 app = typer.Typer(
     name="moetrace",
@@ -64,13 +64,15 @@ def main() -> None:
     Typer runs in its standalone mode, so usage errors (unknown command or
     option, missing argument, no arguments at all) print click's usage message
     and exit 2, ``typer.Exit`` codes pass through and Ctrl-C exits 130.  Errors
-    the user can fix in their input raise ``MoetraceError``: one line, exit 1.
+    the user can fix in their input raise ``MoetraceError``: one line, exit 1;
+    an option value only the model or the trace can refuse, ``UsageError``:
+    one line, exit 2.
     """
     try:
         app(prog_name="moetrace")
     except MoetraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2 if isinstance(exc, UsageError) else 1)
 
 
 if __name__ == "__main__":

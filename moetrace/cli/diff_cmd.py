@@ -25,7 +25,10 @@ def diff_command(
     match: str = typer.Option("id", "--match", help="Pair requests by 'id' or by input 'index'."),
     request: list[str] = typer.Option([], "--request", "-r", help="Only this request id (repeat)."),
     limit: int = typer.Option(
-        10, "--limit", help="Requests listed in detail (0: all; JSON lists up to 50 by default)."
+        10,
+        "--limit",
+        min=0,
+        help="Requests listed in detail (0: all; JSON lists up to 50 by default).",
     ),
     plot: Path | None = typer.Option(
         None, "--plot", help="Write per-layer mismatch charts (.png .svg .pdf .html)."

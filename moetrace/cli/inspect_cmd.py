@@ -42,7 +42,7 @@ def inspect_command(
         [], "--layer", help="Only this MoE layer (decoder index; repeat)."
     ),
     ep_size: int | None = typer.Option(
-        None, "--ep-size", help="Expert-parallel ranks: adds the ep view."
+        None, "--ep-size", min=1, help="Expert-parallel ranks: adds the ep view."
     ),
     ep_placement: str = typer.Option(
         "contiguous", "--ep-placement", help="contiguous (vLLM linear) or round-robin."
@@ -65,7 +65,7 @@ def inspect_command(
     ),
     top: int = typer.Option(5, "--top", help="Pairs or tokens listed per layer."),
     rank_by: str = typer.Option("count", "--rank-by", help="Order pairs by count or lift."),
-    limit: int = typer.Option(20, "--limit", help="Requests in per-request views (0: all)."),
+    limit: int = typer.Option(20, "--limit", min=0, help="Requests in per-request views (0: all)."),
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", help="tokenizer.json to decode tokens (default: the trace's)."
     ),

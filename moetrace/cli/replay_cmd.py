@@ -56,7 +56,7 @@ def replay_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
     report: Path | None = typer.Option(None, "--report", help="Also write the report as JSON."),
-    limit: int = typer.Option(10, "--limit", help="Requests listed in detail (0: all)."),
+    limit: int = typer.Option(10, "--limit", min=0, help="Requests listed in detail (0: all)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     log_stats_interval: float = typer.Option(
         DEFAULT_INTERVAL_S,

@@ -20,7 +20,7 @@ from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.sampling_inputs import effective_seed
 from moetrace.engine.scheduler import Scheduler
 from moetrace.engine.stop_strings import StopStringMatcher, StreamingDecoder
-from moetrace.errors import CapacityError, MoetraceError
+from moetrace.errors import CapacityError, MoetraceError, UsageError
 from moetrace.models.base import MoEForCausalLM
 from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.records import FinishedRequest, OutputLogprobs
@@ -138,7 +138,12 @@ class LLMEngine:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
-        self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        if config.max_model_len and config.max_model_len > model.max_model_len:
+            raise UsageError(
+                f"--max-model-len {config.max_model_len}: above the model's context "
+                f"({model.max_model_len} tokens)"
+            )
+        self.max_model_len = config.max_model_len or model.max_model_len
         self.startup = StartupTimes()
         clock = self.startup.clock()
         with count_compiles(self.startup.late_compiles):

@@ -23,7 +23,7 @@ from moetrace.engine.cpu_threads import configure_cpu_threads
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.precompile import start_compile_workers, stop_compile_workers
 from moetrace.engine.sampling import sampling_problem
-from moetrace.errors import ModelError, MoetraceError
+from moetrace.errors import ModelError, MoetraceError, UsageError
 from moetrace.inputs.tokenizer import Tokenizer
 from moetrace.models.demo import DEMO_NAME, cached_model, model_dir
 from moetrace.models.loader import LoadedModel
@@ -165,8 +165,14 @@ def generation_defaults(model: str, mode: str) -> tuple[dict[str, Any], str | No
 
 
 def model_context_length(model: str, config: dict, max_model_len: int | None) -> int:
+    """The context a run allows: ``--max-model-len``, refused past the model's (as vLLM does)."""
     limit = int(config.get("max_position_embeddings", 32768))
-    return min(limit, max_model_len) if max_model_len else limit
+    if max_model_len and max_model_len > limit:
+        raise UsageError(
+            f"--max-model-len {max_model_len}: above the context of {model} ({limit} tokens, "
+            "max_position_embeddings in its config.json)"
+        )
+    return max_model_len or limit
 
 
 def eos_token_ids(tokenizer: Tokenizer | None, config: dict) -> tuple[int, ...]:
