@@ -9,6 +9,7 @@ import typer
 from moetrace import __version__
 from moetrace.cli.diff_cmd import diff_command
 from moetrace.cli.export_cmd import export_command
+from moetrace.cli.help_format import HelpCommand
 from moetrace.cli.import_cmd import import_command
 from moetrace.cli.inspect_cmd import inspect_command
 from moetrace.cli.merge_cmd import merge_command
@@ -25,7 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # click's plain help (cli/help_format.py) and usage errors
 )
 
 
@@ -40,7 +41,7 @@ for _name, _command in (
     ("merge", merge_command),
     ("verify", verify_command),
 ):
-    app.command(_name, no_args_is_help=True)(quiet_on_closed_pipe(_command))
+    app.command(_name, no_args_is_help=True, cls=HelpCommand)(quiet_on_closed_pipe(_command))
 
 
 def _version(value: bool) -> None:

@@ -70,7 +70,7 @@ def export_command(
         help="Do not check each request's checksum as it is read (faster; damage goes unseen).",
     ),
 ) -> None:
-    r"""Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
+    """Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
 
     Each JSON line has id, sample_index, index, finish_reason, stop_reason,
     prompt_token_ids, output_token_ids and routed_experts: base64 of the .npy
@@ -83,8 +83,8 @@ def export_command(
     openai-batch writes what vllm run-batch would have (one line per input line:
     custom_id, response.body with choices[].text or .message.content,
     token_ids and routed_experts).
-    eplb writes the \[num_moe_layers, num_experts] token-expert counts of the
-    selection (EPLB's weight) as JSON, eplb-npy as .npy (\[windows, layers,
+    eplb writes the [num_moe_layers, num_experts] token-expert counts of the
+    selection (EPLB's weight) as JSON, eplb-npy as .npy ([windows, layers,
     experts] with --window-tokens).  Binary formats go to standard output only
     when it is not a terminal.
 

@@ -10,7 +10,7 @@ from rich.console import Console
 
 def merge_command(
     output: Path = typer.Argument(..., metavar="OUT", help="Trace file to write."),
-    shards: list[Path] = typer.Argument(..., metavar="SHARD...", help="Shard traces, in order."),
+    shards: list[Path] = typer.Argument(..., metavar="SHARD", help="Shard traces, in order."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
     allow_incomplete: bool = typer.Option(
         False, "--allow-incomplete", help="Merge shards whose recording did not finish."
