@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetrace.cli import engine_options as opts
+from moetrace.cli.early_checks import check_before_loading
 from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
 from moetrace.cli.progress_lines import DEFAULT_INTERVAL_S, ProgressLines, check_interval
 from moetrace.errors import MoetraceError
@@ -113,6 +114,13 @@ def record_command(
 
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
+    # Before the engine's imports (seconds): what the options alone refuse.
+    check_interval(log_stats_interval)
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    _check_sampling(given, seed)
+    check_before_loading(
+        device=device, dtype=dtype, output=output, overwrite=overwrite, resume=resume
+    )
     from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
     from moetrace.inputs.shards import check_shard_args
     from moetrace.runs.recording import Recording, SamplingDefaults
@@ -124,7 +132,6 @@ def record_command(
     )
     from moetrace.signals import GracefulStop, set_exit_context, signal_name
 
-    check_interval(log_stats_interval)
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
     refuse_remote_code(trust_remote_code)
     model = model_with_revision(model, revision)
@@ -153,8 +160,6 @@ def record_command(
         max_cudagraph_capture_size=max_cudagraph_capture_size,
         capture_weights=weights_dtype.value if record_weights else None,
     )
-    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    _check_sampling(given, seed)
     defaults, source = generation_defaults(model, generation_config)
     sampling = SamplingDefaults.resolve(
         given, defaults, source, ignore_eos=ignore_eos, logprobs=logprobs

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetrace.cli import engine_options as opts
 from moetrace.cli.diff_cmd import render_diff
+from moetrace.cli.early_checks import check_before_loading
 from moetrace.cli.engine_runs import parallel_or_worker, trace_run_errors
 from moetrace.cli.pipes import StdoutConsole
 from moetrace.cli.progress_lines import DEFAULT_INTERVAL_S, ProgressLines, check_interval
@@ -77,12 +78,13 @@ def replay_command(
 
     Example: moetrace replay bf16.h5 ~/models/Qwen3-30B-A3B --dtype float32 -o fp32.h5
     """
+    check_interval(log_stats_interval)  # before the engine's imports (seconds)
+    check_before_loading(device=device, dtype=dtype, output=output, overwrite=overwrite)
     from moetrace.engine.launch import TensorParallelDriver, parallel_settings, worker_spec
     from moetrace.runs.replay import Replay
     from moetrace.runs.setup import model_with_revision
     from moetrace.signals import GracefulStop
 
-    check_interval(log_stats_interval)
     model = model_with_revision(model, revision)
     parallel = parallel_or_worker(
         model,
