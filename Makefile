@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # pytest-xdist workers for `make test`: CI's two cores take the suite from ~14.5 to ~8 min.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test lint format clean
+.PHONY: install extra demo test lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ $(VENV)/.installed: $(VENV)/.installed-core
 	touch $@
 
 install: $(VENV)/.installed
+
+# One optional extra into the venv: make extra EXTRA=serve (or parquet, pandas, plot).
+extra: $(VENV)/.installed-core
+	@test -n "$(EXTRA)" || { echo "name the extra: make extra EXTRA=serve (parquet, pandas, plot)"; exit 2; }
+	$(BIN)/pip install -q -e ".[$(EXTRA)]"
 
 demo: $(VENV)/.installed-core
 	printf '%s\n' \

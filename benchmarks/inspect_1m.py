@@ -87,7 +87,9 @@ def make_trace(
             token_start,
         )
         table["finish_reason"] = 1  # length
-        table["extra"] = ""
+        for name in REQUEST_DTYPE.names:  # every string column (extra, stop_reason, ...) empty
+            if REQUEST_DTYPE[name].kind == "O" and name != "id":
+                table[name] = ""
         for i in range(requests):
             r0, t0 = int(row_start[i]), int(token_start[i])
             crc = zlib.crc32(routed[r0 : r0 + num_rows[i]].tobytes())

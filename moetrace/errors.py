@@ -16,6 +16,11 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
+def install_extra(extra: str) -> str:
+    """How to add an optional extra: moetrace is installed from its clone, not an index."""
+    return f"in moetrace's clone: make extra EXTRA={extra} (or pip install -e '.[{extra}]')"
+
+
 class MoetraceError(Exception):
     """A problem the user can fix, described in one line."""
 
@@ -23,6 +28,12 @@ class MoetraceError(Exception):
         if len(args) == 1 and isinstance(args[0], str):
             args = (one_line(args[0]),)
         super().__init__(*args)
+
+
+class UsageError(MoetraceError):
+    """An option value the command cannot take, found where only the model or the trace
+    tells (``--max-model-len`` past the context, ``--token`` past the vocabulary): one
+    line and exit 2, as click's usage errors."""
 
 
 class InputError(MoetraceError):

@@ -219,6 +219,12 @@ def diff_traces(
     layers = [int(x) for x in a.metadata["moe_layer_indices"]]
     acc = RoutingDiff(len(layers))
     drift = LogprobDrift() if a.has_logprobs and b.has_logprobs else None
+    if a.has_logprobs != b.has_logprobs:
+        lacking = "A" if b.has_logprobs else "B"
+        warnings.append(
+            f"{lacking} holds no log-probabilities (recorded without --logprobs): the "
+            "log-probability drift was not measured"
+        )
     details, only_a, seen_b = [], [], set()
     rows_excluded = diverged = shorter = prompts_differ = unknown_tokens = 0
     for ra, rb in _pairs(a, b, match, ids):

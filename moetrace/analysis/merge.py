@@ -1,10 +1,16 @@
 """One trace from shards of the same recording (``--num-shards`` runs on several machines).
 
 Shards must agree on everything that gives rows their meaning: format, model
-(config digest), routing shape, expert id dtype and compute dtype.  Requests
-are copied shard by shard in record order through the ordinary writer, so the
-merged file has fresh checksums and the layout of a single recording; where
-each request came from is kept in the root attribute ``merged_from``.
+(config digest), routing shape, expert id dtype and compute dtype, the
+optional arrays, and the settings a ``--resume`` compares (weights, device,
+seed, context length, sampling defaults): the merged file states one run's
+settings, so traces of other runs would be labelled with settings they were
+not recorded with.  ``mixed_settings`` merges traces whose sampling settings
+and seed differ: each request keeps its own (``sampling_params``), and the
+merged file states no run-wide ones.  Requests are copied shard by shard in
+record order through the ordinary writer, so the merged file has fresh
+checksums and the layout of a single recording; where each request came
+from is kept in the root attribute ``merged_from``.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from moetrace.output_files import check_new_output, check_not_an_input, replacin
 from moetrace.trace.lock import TraceLock
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.reader import Trace, open_trace
+from moetrace.trace.records import LOGPROBS, ROUTED_WEIGHTS
+from moetrace.trace.resume import ADDED_LATER, DEFAULT_KEYS, SETTING_NAMES, result_settings
 from moetrace.trace.verify import PARTIAL_MERGE
 from moetrace.trace.writer import TraceWriter
 
 MUST_MATCH = (
-    "format_version",
     "architecture",
     "config_digest",
     "num_hidden_layers",
@@ -37,9 +44,13 @@ MUST_MATCH = (
     "expert_id_dtype",
     "row_order",
     "dtype",
+    "format_version",  # after the optional arrays, which decide it and are named on their own
 )
-# Which optional arrays a shard holds, beside its attributes.
-ARRAYS_MUST_MATCH = ("weights_dtype", "has_logprobs")
+# The optional arrays, and the option that records each.
+OPTIONAL_ARRAYS = {ROUTED_WEIGHTS: "--record-weights", LOGPROBS: "--logprobs"}
+# Settings (trace/resume.py) that only decide how tokens are sampled: with mixed_settings
+# they may differ, each request keeping its own.
+SAMPLING_SETTINGS = (*DEFAULT_KEYS, "sampling_seed", "seed")
 
 
 def metadata_of(trace: Trace) -> TraceMetadata:
@@ -62,7 +73,48 @@ def metadata_of(trace: Trace) -> TraceMetadata:
     )
 
 
-def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> tuple[list, list]:
+def _array_problem(first: Trace, shard: Trace) -> str | None:
+    """How the two differ in the optional arrays they hold, in the user's words, or None."""
+    for name, option in OPTIONAL_ARRAYS.items():
+        holders = [t.path for t in (first, shard) if name in t.arrays]
+        if len(holders) == 1:
+            lacking = shard.path if holders[0] == first.path else first.path
+            return f"{holders[0]} holds {name} and {lacking} does not (recorded without {option})"
+    if first.weights_dtype != shard.weights_dtype:
+        return (
+            f"routed_weights are {shard.weights_dtype} in {shard.path} and "
+            f"{first.weights_dtype} in {first.path} (--weights-dtype)"
+        )
+    return None
+
+
+def run_settings(trace: Trace) -> dict:
+    """The settings a ``--resume`` of the trace would have to match (trace/resume.py)."""
+    md = trace.metadata
+    return result_settings(
+        str(md.get("config_digest", "")), str(md.get("dtype", "")), md.get("engine_settings") or {}
+    )
+
+
+def _settings_problem(first: Trace, shard: Trace, mixed_settings: bool) -> str | None:
+    """The first setting that says the two are not shards of one run, or None."""
+    a, b = run_settings(first), run_settings(shard)
+    for key in a:
+        if key in ADDED_LATER and None in (a[key], b[key]):
+            continue  # a trace written before the setting was kept
+        if a[key] == b[key] or (mixed_settings and key in SAMPLING_SETTINGS):
+            continue
+        name = SETTING_NAMES.get(key, key)
+        hint = " (--mixed-settings merges them, each request keeping its own settings)"
+        return f"{name} {_show(b[key])} in {shard.path} and {_show(a[key])} in {first.path}" + (
+            hint if key in SAMPLING_SETTINGS else ""
+        )
+    return None
+
+
+def check_shards(
+    shards: Sequence[Trace], allow_incomplete: bool = False, mixed_settings: bool = False
+) -> tuple[list, list]:
     """Refuse shards that cannot be one recording.
 
     Returns (notes about harmless differences, reasons the merged trace is
@@ -71,24 +123,28 @@ def check_shards(shards: Sequence[Trace], allow_incomplete: bool = False) -> tup
     first = shards[0]
     notes = []
     for shard in shards[1:]:
+        problem = _array_problem(first, shard)
         for key in MUST_MATCH:
             a, b = first.metadata.get(key), shard.metadata.get(key)
-            if a != b:
-                raise MoetraceError(
-                    f"{shard.path} is not a shard of the same recording as {first.path}: "
-                    f"{key} {b!r} vs {a!r}"
-                )
-        for name in ARRAYS_MUST_MATCH:
-            a, b = getattr(first, name), getattr(shard, name)
-            if a != b:
-                raise MoetraceError(
-                    f"{shard.path} is not a shard of the same recording as {first.path}: "
-                    f"{name} {b!r} vs {a!r}"
-                )
+            if problem is None and a != b:
+                problem = f"{key} {b!r} vs {a!r}"
+        problem = problem or _settings_problem(first, shard, mixed_settings)
+        if problem is not None:
+            raise MoetraceError(
+                f"{shard.path} is not a shard of the same recording as {first.path}: {problem}"
+            )
         if shard.metadata.get("model") != first.metadata.get("model"):
             notes.append(
                 f"model given as {shard.metadata['model']!r} in {shard.path} and "
                 f"{first.metadata['model']!r} in {first.path} (same config digest)"
+            )
+    if mixed_settings:
+        lacking = next((s for s in shards if "sampling_params" not in s.requests.dtype.names), None)
+        if lacking is not None:
+            raise MoetraceError(
+                f"{lacking.path} was written before requests kept their own sampling settings: "
+                "merged with --mixed-settings its requests would carry none; merge it only with "
+                "traces recorded with the same settings"
             )
     partial = []
     for shard in shards:
@@ -128,12 +184,14 @@ def merge_traces(
     overwrite: bool = False,
     allow_incomplete: bool = False,
     as_complete: bool = False,
+    mixed_settings: bool = False,
 ) -> dict:
     """Write ``output`` from ``shard_paths``; returns counts, notes and why it is partial.
 
     A merge that lacks shards of the split, or holds a shard whose recording
     did not finish, is closed incomplete (``verify`` says so) unless
     ``as_complete``: the user says the subset is what they want.
+    ``mixed_settings``: traces of runs with other sampling settings (module docstring).
     """
     if not shard_paths:
         raise MoetraceError("give at least one shard to merge")
@@ -145,12 +203,12 @@ def merge_traces(
     try:
         for p in shard_paths:
             shards.append(open_trace(p))
-        notes, partial = check_shards(shards, allow_incomplete)
+        notes, partial = check_shards(shards, allow_incomplete, mixed_settings)
         # Written beside OUT and renamed over it only when every shard went in: a damaged
         # shard must not cost the user the file that --overwrite was to replace.
         with replacing(out) as temporary:
             provenance, requests, rows, complete = _write_merged(
-                temporary, shards, partial, as_complete, lock
+                temporary, shards, partial, as_complete, lock, mixed_settings
             )
             with h5py.File(temporary, "r+", locking=False) as f:
                 f.attrs["merged_from"] = json.dumps(provenance, sort_keys=True)
@@ -170,13 +228,24 @@ def merge_traces(
 
 
 def _write_merged(
-    path: Path, shards: list[Trace], partial: list[str], as_complete: bool, lock: TraceLock
+    path: Path,
+    shards: list[Trace],
+    partial: list[str],
+    as_complete: bool,
+    lock: TraceLock,
+    mixed_settings: bool,
 ) -> tuple[list[dict], int, int, bool]:
     """Copy every shard's requests into a new trace at ``path``; provenance and counts."""
     first = shards[0]
+    metadata = metadata_of(first)
+    if mixed_settings:  # no run-wide sampling settings: each request states its own
+        settings = dict(metadata.engine_settings)
+        for key in ("sampling_defaults", "seed"):
+            settings.pop(key, None)
+        metadata.engine_settings = {**settings, "mixed_settings": True}
     writer = TraceWriter(
         path,
-        metadata_of(first),
+        metadata,
         chunk_rows=first.chunk_rows,
         compression="gzip" if first.compression == "gzip" else None,
         lock=lock,
@@ -206,3 +275,7 @@ def _write_merged(
         raise
     writer.close(complete=complete, end_reason=end_reason)
     return provenance, requests, rows, complete
+
+
+def _show(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)

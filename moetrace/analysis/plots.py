@@ -1,6 +1,6 @@
 """Pictures of routing, for looking rather than reading: PNG, SVG, PDF or a self-contained HTML page.
 
-matplotlib is an optional dependency (``pip install 'moetrace[plot]'``); it is
+matplotlib is an optional dependency (the ``plot`` extra); it is
 imported only when a plot is asked for.
 """
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from moetrace.analysis.balance import gini
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, install_extra
+from moetrace.output_files import check_new_output, check_not_an_input, replacing
 from moetrace.trace.stats import load_stats
 
 SUFFIXES = (".png", ".svg", ".pdf", ".html")
@@ -25,20 +26,22 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MoetraceError(
-            "--plot needs matplotlib: pip install 'moetrace[plot]' (or pip install matplotlib)"
-        ) from None
+        raise MoetraceError(f"--plot needs matplotlib: {install_extra('plot')}") from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def check_plot_path(path: Path) -> None:
+def check_plot_path(path: Path, *, overwrite: bool, inputs: list[Path]) -> None:
+    """Before any work: a picture file name, and an output the command may write (the
+    rule of every output: an existing file only with ``--overwrite``, never an input)."""
     if path.suffix.lower() not in SUFFIXES:
         raise MoetraceError(f"--plot {path}: the file name must end in {', '.join(SUFFIXES)}")
     if not path.parent.exists():
         raise MoetraceError(f"--plot {path}: no such directory {path.parent}")
+    check_not_an_input(path, [(f"the trace {p}", p) for p in inputs])
+    check_new_output(path, overwrite=overwrite)
     _pyplot()
 
 
@@ -213,23 +216,28 @@ def plot_diff(result: dict, path: Path, *, title: str, subtitle: str = "") -> No
 
 
 def save(fig, path: Path, title: str, subtitle: str = "") -> None:
-    """By suffix; ``.html`` is a page with the SVG inline, needing nothing else to view."""
+    """By suffix; ``.html`` is a page with the SVG inline, needing nothing else to view.
+
+    Written beside ``path`` and renamed over it once whole, as every output is.
+    """
+    kind = path.suffix.lower()[1:]
     try:
-        if path.suffix.lower() != ".html":
-            fig.savefig(path, dpi=110)
-            return
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg")
-        svg = buf.getvalue()
-        svg = svg[svg.index("<svg") :]
-        page = (
-            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>{html.escape(title)}</title>"
-            "<style>body{font-family:system-ui,sans-serif;margin:1.5em}svg{max-width:100%;"
-            "height:auto}</style></head>\n<body>"
-            f'<h1 style="font-size:1.2em">{html.escape(title)}</h1>'
-            f"<p>{html.escape(subtitle)}</p>\n{svg}\n</body></html>\n"
-        )
-        path.write_text(page, encoding="utf-8")
+        with replacing(path) as temporary:
+            if kind != "html":
+                fig.savefig(temporary, dpi=110, format=kind)
+                return
+            buf = io.StringIO()
+            fig.savefig(buf, format="svg")
+            svg = buf.getvalue()
+            svg = svg[svg.index("<svg") :]
+            page = (
+                '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+                f"<title>{html.escape(title)}</title>"
+                "<style>body{font-family:system-ui,sans-serif;margin:1.5em}svg{max-width:100%;"
+                "height:auto}</style></head>\n<body>"
+                f'<h1 style="font-size:1.2em">{html.escape(title)}</h1>'
+                f"<p>{html.escape(subtitle)}</p>\n{svg}\n</body></html>\n"
+            )
+            temporary.write_text(page, encoding="utf-8")
     except OSError as exc:
         raise MoetraceError(f"cannot write plot {path}: {exc.strerror or exc}") from None

@@ -77,9 +77,10 @@ def token_view(
     """
     req = trace.request(position)
     rows = _routing(req, columns)
-    tokens = np.concatenate([req.prompt_token_ids, req.output_token_ids])
+    tokens = np.concatenate([req.prompt_token_ids, req.output_token_ids]).tolist()
+    texts = text.sequence(tokens)  # a character split over tokens reads where it completes
     entries = []
-    for t, token in enumerate(tokens.tolist()):
+    for t, token in enumerate(tokens):
         is_prompt = t < req.prompt_len
         if (part == "prompt" and not is_prompt) or (part == "output" and is_prompt):
             continue
@@ -88,7 +89,7 @@ def token_view(
                 "position": t,
                 "part": "prompt" if is_prompt else "output",
                 "token": token,
-                "text": text.text(token),
+                "text": texts[t],
                 "experts": rows[t].tolist() if t < len(rows) else None,
             }
         )

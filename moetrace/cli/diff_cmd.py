@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace.analysis.diff import diff_exit_code, diff_traces
+from moetrace.analysis.views._tables import id_table
 from moetrace.cli.pipes import StdoutConsole, stop_quietly
 from moetrace.errors import MoetraceError
 from moetrace.trace.reader import open_trace
@@ -24,11 +25,15 @@ def diff_command(
     match: str = typer.Option("id", "--match", help="Pair requests by 'id' or by input 'index'."),
     request: list[str] = typer.Option([], "--request", "-r", help="Only this request id (repeat)."),
     limit: int = typer.Option(
-        10, "--limit", help="Requests listed in detail (0: all; JSON lists up to 50 by default)."
+        10,
+        "--limit",
+        min=0,
+        help="Requests listed in detail (0: all; JSON lists up to 50 by default).",
     ),
     plot: Path | None = typer.Option(
         None, "--plot", help="Write per-layer mismatch charts (.png .svg .pdf .html)."
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --plot file."),
 ) -> None:
     """Compare the routing of A and B token by token: per-layer and per-token mismatch,
     Jaccard overlap of the top-k sets, first diverging layer (R3's figures).
@@ -40,7 +45,7 @@ def diff_command(
     Example: moetrace diff bf16.h5 fp32.h5
     """
     try:
-        result = _diff(trace_a, trace_b, as_json, match, request, limit, plot)
+        result = _diff(trace_a, trace_b, as_json, match, request, limit, plot, overwrite)
     except MoetraceError as exc:  # diff(1)'s "trouble"
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -65,11 +70,12 @@ def _diff(
     request: list[str],
     limit: int,
     plot: Path | None,
+    overwrite: bool,
 ) -> dict:
     if plot is not None:
         from moetrace.analysis.plots import check_plot_path
 
-        check_plot_path(plot)
+        check_plot_path(plot, overwrite=overwrite, inputs=[trace_a, trace_b])
     with open_trace(trace_a) as a, open_trace(trace_b) as b:
         result = diff_traces(
             a, b, match=match, ids=request or None, detail_limit=limit if not as_json else 50
@@ -201,25 +207,20 @@ def render_diff(console: Console, d: dict, limit: int) -> None:
 
     details = d["request_detail"]
     if details:
-        r = Table(title="requests that differ", box=box.SIMPLE_HEAVY)
-        for name in (
-            "id",
-            "compared",
-            "left out",
-            "diverge at",
-            "tokens differ",
-            "first",
-            "Jaccard",
-        ):
-            r.add_column(name, justify="left" if name == "id" else "right")
-        for x in details[: limit or None]:
-            r.add_row(
+        headers = ("compared", "left out", "diverge at", "tokens differ", "first", "Jaccard")
+        cells = [
+            (
                 x["id"],
-                f"{x['compared_rows']:,}",
-                f"{x['excluded_rows']:,}",
-                "-" if x["tokens_diverge_at"] is None else str(x["tokens_diverge_at"]),
-                f"{x['tokens_with_difference']:,}",
-                "-" if x["first_differing_token"] is None else str(x["first_differing_token"]),
-                "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
+                [
+                    f"{x['compared_rows']:,}",
+                    f"{x['excluded_rows']:,}",
+                    "-" if x["tokens_diverge_at"] is None else str(x["tokens_diverge_at"]),
+                    f"{x['tokens_with_difference']:,}",
+                    "-" if x["first_differing_token"] is None else str(x["first_differing_token"]),
+                    "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
+                ],
             )
-        console.print(r)
+            for x in details[: limit or None]
+        ]
+        columns = [(h, "right") for h in headers]
+        console.print(id_table("requests that differ", console.width, columns, cells))

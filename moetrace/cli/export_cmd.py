@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from moetrace.cli.trace_notes import note_if_being_written
+from moetrace.cli.trace_notes import note_if_being_written, unchecked_read_advice
 from moetrace.errors import MoetraceError
 from moetrace.output_files import (
     STDOUT,
@@ -18,17 +18,19 @@ from moetrace.output_files import (
     refuse_binary_terminal,
     replacing,
 )
+from moetrace.trace.checked_rows import DamagedTraceError
 from moetrace.trace.reader import open_trace
 
 
 def export_command(
     trace_path: Path = typer.Argument(..., metavar="TRACE", help="Trace file."),
-    fmt: str = typer.Option(
-        "jsonl",
+    fmt: str | None = typer.Option(
+        None,
         "--format",
         "-f",
-        help="jsonl (default), npz, npy, parquet; eplb (JSON) or eplb-npy: the per-layer expert "
-        "load matrix DeepSeek's EPLB takes.",
+        help="jsonl, npz, npy, parquet; openai-batch: the lines vllm run-batch writes; eplb "
+        "(JSON) or eplb-npy: the per-layer expert load matrix DeepSeek's EPLB takes (default: "
+        "from OUTPUT's extension, else jsonl).",
     ),
     output: str = typer.Option(
         STDOUT, "-o", "--output", help="File to write; '-' (the default): standard output."
@@ -48,6 +50,11 @@ def export_command(
         help="moe: one entry per MoE layer; vllm: every hidden layer, dense layers zero "
         "(vLLM's array).",
     ),
+    array: str = typer.Option(
+        "routed_experts",
+        "--array",
+        help="npy: which array of the request: routed_experts, routed_weights or token_logprobs.",
+    ),
     part: str = typer.Option(
         "all", "--part", help="eplb formats: the load of all, prompt or output tokens."
     ),
@@ -63,15 +70,21 @@ def export_command(
         help="Do not check each request's checksum as it is read (faster; damage goes unseen).",
     ),
 ) -> None:
-    r"""Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
+    """Write requests of TRACE as JSON Lines (one request a line), .npz, .npy or Parquet.
 
-    Each JSON line has id, sample_index, index, finish_reason, prompt_token_ids,
-    output_token_ids and routed_experts: base64 of the .npy bytes (as vLLM
-    sends it; SGLang sends raw int32 bytes instead), with shape and dtype.  Decode with
+    Each JSON line has id, sample_index, index, finish_reason, stop_reason,
+    prompt_token_ids, output_token_ids and routed_experts: base64 of the .npy
+    bytes (as vLLM sends it; SGLang sends raw int32 bytes instead), with shape and dtype; and what else the trace
+    holds: routed_weights (the same encoding), token_logprobs (one per output
+    token) and sampling_params.  Decode with
     np.load(io.BytesIO(base64.b64decode(line["routed_experts"]))).
+    npz and Parquet carry the same fields; npy one array of one request.
     Parquet has one row per request (pandas, datasets, Arrow read it).
-    eplb writes the \[num_moe_layers, num_experts] token-expert counts of the
-    selection (EPLB's weight) as JSON, eplb-npy as .npy (\[windows, layers,
+    openai-batch writes what vllm run-batch would have (one line per input line:
+    custom_id, response.body with choices[].text or .message.content,
+    token_ids and routed_experts).
+    eplb writes the [num_moe_layers, num_experts] token-expert counts of the
+    selection (EPLB's weight) as JSON, eplb-npy as .npy ([windows, layers,
     experts] with --window-tokens).  Binary formats go to standard output only
     when it is not a terminal.
 
@@ -82,13 +95,23 @@ def export_command(
         DTYPES,
         LOAD_FORMATS,
         Layout,
+        check_array,
         check_format,
+        format_for_output,
     )
     from moetrace.analysis.load import PARTS, select_positions
 
+    try:
+        fmt = format_for_output(fmt, output)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--format'") from None
     if dtype not in DTYPES:
         raise MoetraceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_format(fmt, 1)
+    if fmt != "npy" and array != "routed_experts":
+        raise typer.BadParameter(
+            f"applies to --format npy (the {fmt} format holds every array)", param_hint="'--array'"
+        )
     if fmt not in LOAD_FORMATS and (part != "all" or window_tokens is not None):
         raise MoetraceError("--part and --window-tokens apply to --format eplb and eplb-npy")
     if part not in PARTS:
@@ -102,49 +125,54 @@ def export_command(
     else:
         check_not_an_input(output, [("the trace being exported", trace_path)])
         check_new_output(output, overwrite=overwrite)
-    with open_trace(trace_path, verify=not no_verify_checksums) as trace:
+    with unchecked_read_advice(), open_trace(trace_path, verify=not no_verify_checksums) as trace:
         note_if_being_written(trace)
         rows_layout = Layout.of(trace, layout)
         positions = select_positions(trace, request, request_range)
         check_format(fmt, trace.num_requests if positions is None else len(positions))
-        what = (positions, dtype, rows_layout, part, window_tokens)
+        if fmt == "npy":
+            check_array(trace, array)
+        what = (positions, dtype, rows_layout, part, window_tokens, array)
         if to_stdout:  # a closed pipe (`| head`) ends the command quietly
             _write(fmt, trace, what, None)
             return
         try:
             with replacing(output) as temporary:
                 _write(fmt, trace, what, temporary)
+        except DamagedTraceError:  # a chunk of the trace that cannot be read, not the output
+            raise
         except OSError as exc:
             raise MoetraceError(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
 def _write(fmt: str, trace, what: tuple, path: Path | None) -> None:
     """One format to ``path``, or to standard output when None."""
-    from moetrace.analysis.export import (
-        selected_requests,
-        write_jsonl,
-        write_npy,
-        write_npz,
-        write_parquet,
-    )
+    from moetrace.analysis.export import selected_requests, write_jsonl, write_npy, write_npz
+    from moetrace.analysis.export_parquet import write_parquet
+    from moetrace.analysis.openai_batch import write_openai_batch
 
-    positions, dtype, layout, part, window_tokens = what
+    positions, dtype, layout, part, window_tokens, array = what
     if fmt in ("eplb", "eplb-npy"):
         _write_load(fmt, trace, positions, part, window_tokens, path)
         return
-    if fmt == "jsonl":
-        if path is None:
-            write_jsonl(selected_requests(trace, positions), sys.stdout, dtype, layout)
-            return
-        with open(path, "w", encoding="utf-8") as f:
-            write_jsonl(selected_requests(trace, positions), f, dtype, layout)
+    if fmt in ("jsonl", "openai-batch"):
+        with contextlib.ExitStack() as stack:
+            out = (
+                sys.stdout
+                if path is None
+                else stack.enter_context(open(path, "w", encoding="utf-8"))
+            )
+            if fmt == "jsonl":
+                write_jsonl(selected_requests(trace, positions), out, dtype, layout)
+            else:
+                write_openai_batch(trace, positions, out, dtype)
         return
     with contextlib.ExitStack() as stack:
         out = sys.stdout.buffer if path is None else stack.enter_context(open(path, "wb"))
         if fmt == "npz":
             write_npz(trace, positions, out, dtype, layout)
         elif fmt == "npy":
-            write_npy(next(selected_requests(trace, positions)), out, dtype, layout)
+            write_npy(next(selected_requests(trace, positions)), out, dtype, layout, array)
         else:
             write_parquet(trace, positions, out, dtype, layout)
         out.flush()

@@ -12,7 +12,9 @@ from moetrace.errors import MoetraceError
 
 def import_command(
     responses: list[str] = typer.Argument(
-        ..., help="JSON or JSON Lines files of engine responses, or '-' for standard input."
+        ...,
+        metavar="RESPONSES",
+        help="JSON or JSON Lines files of engine responses, or '-' for standard input.",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Trace file to write (HDF5)."),
     model: str | None = typer.Option(

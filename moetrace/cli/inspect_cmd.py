@@ -11,7 +11,7 @@ from rich.console import Console
 
 from moetrace.analysis.views import registry
 from moetrace.cli.pipes import StdoutConsole
-from moetrace.cli.trace_notes import note_if_being_written
+from moetrace.cli.trace_notes import note_if_being_written, unchecked_read_advice
 from moetrace.trace.reader import open_trace
 
 VIEW_HELP = "; ".join(f"{v.name}: {v.help}" for v in registry())
@@ -42,7 +42,7 @@ def inspect_command(
         [], "--layer", help="Only this MoE layer (decoder index; repeat)."
     ),
     ep_size: int | None = typer.Option(
-        None, "--ep-size", help="Expert-parallel ranks: adds the ep view."
+        None, "--ep-size", min=1, help="Expert-parallel ranks: adds the ep view."
     ),
     ep_placement: str = typer.Option(
         "contiguous", "--ep-placement", help="contiguous (vLLM linear) or round-robin."
@@ -65,7 +65,7 @@ def inspect_command(
     ),
     top: int = typer.Option(5, "--top", help="Pairs or tokens listed per layer."),
     rank_by: str = typer.Option("count", "--rank-by", help="Order pairs by count or lift."),
-    limit: int = typer.Option(20, "--limit", help="Requests in per-request views (0: all)."),
+    limit: int = typer.Option(20, "--limit", min=0, help="Requests in per-request views (0: all)."),
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", help="tokenizer.json to decode tokens (default: the trace's)."
     ),
@@ -74,6 +74,7 @@ def inspect_command(
         "--plot",
         help="Write a layer x expert heatmap + imbalance chart (.png .svg .pdf .html).",
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --plot file."),
     chunk_rows: int = typer.Option(16384, "--chunk-rows", help="Rows read at a time.", hidden=True),
     no_verify_checksums: bool = typer.Option(
         False,
@@ -113,10 +114,10 @@ def inspect_command(
     if plot is not None:
         from moetrace.analysis.plots import check_plot_path
 
-        check_plot_path(plot)
+        check_plot_path(plot, overwrite=overwrite, inputs=[trace_path])
         if "load" not in (opts.views or ["load"]):
             opts.views = [*opts.views, "load"]
-    with open_trace(trace_path, verify=not no_verify_checksums) as trace:
+    with unchecked_read_advice(), open_trace(trace_path, verify=not no_verify_checksums) as trace:
         note_if_being_written(trace)
         report = inspect_report(trace, opts)
     if plot is not None:

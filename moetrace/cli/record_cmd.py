@@ -12,7 +12,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetrace.cli import engine_options as opts
+from moetrace.cli.early_checks import check_before_loading
 from moetrace.cli.engine_runs import trace_run_errors
+from moetrace.cli.progress_lines import DEFAULT_INTERVAL_S, ProgressLines, check_interval
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
@@ -73,6 +75,11 @@ def record_command(
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="No progress bar, no start-up breakdown: the result line only."
     ),
+    log_stats_interval: float = typer.Option(
+        DEFAULT_INTERVAL_S,
+        "--log-stats-interval",
+        help="Seconds between progress lines when standard error is no terminal (a log file).",
+    ),
     num_shards: int = typer.Option(
         1, "--num-shards", help="Data-parallel shards of the prompts (one run per shard)."
     ),
@@ -87,16 +94,21 @@ def record_command(
 
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
+    # Before the engine's imports (seconds): what the options alone refuse.
+    check_interval(log_stats_interval)
+    engine.check()
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    _check_sampling(given, engine.seed)
+    check_before_loading(
+        device=engine.device, dtype=engine.dtype, output=output, overwrite=overwrite, resume=resume
+    )
     from moetrace.engine.launch import TensorParallelDriver, worker_spec
     from moetrace.inputs.shards import check_shard_args
     from moetrace.runs.recording import Recording, SamplingDefaults
     from moetrace.runs.setup import generation_defaults
     from moetrace.signals import GracefulStop, set_exit_context, signal_name
 
-    engine.check()
     check_shard_args(num_shards, shard_index)
-    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    _check_sampling(given, engine.seed)
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
@@ -128,8 +140,10 @@ def record_command(
         driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0
         if quiet:
             result = recording.run(stop=stop)
-        else:
+        elif console.is_terminal:
             result = _run_with_progress(recording, console, stop)
+        else:
+            result = _run_with_lines(recording, log_stats_interval, stop)
         set_exit_context(f"after {output} was written and closed (it is complete)")
     _summarise(result, console, startup=not quiet)
     if not quiet:
@@ -192,6 +206,20 @@ def _run_with_progress(recording: Recording, console: Console, stop: GracefulSto
             bar.update(task, completed=result.requests, total=total, rate=rate, rows=result.rows)
 
         return recording.run(progress=update, stop=stop)
+
+
+def _run_with_lines(recording: Recording, interval_s: float, stop: GracefulStop) -> RecordResult:
+    lines = ProgressLines("recording", sys.stderr, interval_s)
+
+    def update(result: RecordResult, total: int | None) -> None:
+        lines.update(
+            result.requests,
+            total,
+            prompt=result.prompt_tokens_computed,
+            generation=result.tokens_generated,
+        )
+
+    return recording.run(progress=update, stop=stop)
 
 
 def _summarise(result: RecordResult, console: Console, *, startup: bool) -> None:

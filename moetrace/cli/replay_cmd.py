@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,8 +13,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetrace.cli import engine_options as opts
 from moetrace.cli.diff_cmd import render_diff
+from moetrace.cli.early_checks import check_before_loading
 from moetrace.cli.engine_runs import trace_run_errors
 from moetrace.cli.pipes import StdoutConsole
+from moetrace.cli.progress_lines import DEFAULT_INTERVAL_S, ProgressLines, check_interval
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a replay runs
@@ -37,8 +40,13 @@ def replay_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
     report: Path | None = typer.Option(None, "--report", help="Also write the report as JSON."),
-    limit: int = typer.Option(10, "--limit", help="Requests listed in detail (0: all)."),
+    limit: int = typer.Option(10, "--limit", min=0, help="Requests listed in detail (0: all)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    log_stats_interval: float = typer.Option(
+        DEFAULT_INTERVAL_S,
+        "--log-stats-interval",
+        help="Seconds between progress lines when standard error is no terminal (a log file).",
+    ),
 ) -> None:
     """Teacher-force every sequence of TRACE through MODEL into OUTPUT, and compare.
 
@@ -53,11 +61,15 @@ def replay_command(
 
     Example: moetrace replay bf16.h5 ~/models/Qwen3-30B-A3B --dtype float32 -o fp32.h5
     """
+    check_interval(log_stats_interval)  # before the engine's imports (seconds)
+    engine.check()
+    check_before_loading(
+        device=engine.device, dtype=engine.dtype, output=output, overwrite=overwrite
+    )
     from moetrace.engine.launch import TensorParallelDriver, worker_spec
     from moetrace.runs.replay import Replay
     from moetrace.signals import GracefulStop
 
-    engine.check()
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
@@ -70,7 +82,16 @@ def replay_command(
     ):
         replay = Replay(trace_path, run, output, overwrite=overwrite, force_routing=force_routing)
         driver.start(worker_spec(replay))
-        result = replay.run(stop=stop) if quiet else _run_with_progress(replay, console, stop)
+        if quiet:
+            result = replay.run(stop=stop)
+        elif console.is_terminal:
+            result = _run_with_progress(replay, console, stop)
+        else:
+            lines = ProgressLines("replaying", sys.stderr, log_stats_interval)
+            result = replay.run(
+                progress=lambda r, total: lines.update(r.requests, total, scoring=r.rows),
+                stop=stop,
+            )
     if report is not None:
         try:
             report.write_text(json.dumps(result.report, indent=2) + "\n")
@@ -107,7 +128,8 @@ def _summarise(result: ReplayResult, console: Console) -> None:
     console.print(
         f"[green]wrote[/green] {result.path}: {result.requests} requests replayed through "
         f"{info['model']} ({info['dtype']} on {info['device']}{forced}), {result.rows:,} rows, "
-        f"{result.scored_tokens:,} output tokens scored in {result.elapsed_s:.1f} s",
+        f"{result.scored_tokens:,} output tokens scored in {result.elapsed_s:.1f} s"
+        + ("" if result.complete else " (marked incomplete: the trace replayed is)"),
         highlight=False,
         soft_wrap=True,
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from moetrace.cli import engine_options as opts
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, install_extra
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as serving/access.py (serving loads lazily)
 
@@ -118,9 +118,7 @@ def serve_command(
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise MoetraceError(
-            f"moetrace serve needs {exc.name}: pip install 'moetrace[serve]'"
-        ) from None
+        raise MoetraceError(f"moetrace serve needs {exc.name}: {install_extra('serve')}") from None
     from moetrace import envs
     from moetrace.serving.access import AccessOptions
     from moetrace.serving.server import Server

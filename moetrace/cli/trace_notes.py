@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from moetrace.trace.checked_rows import DamagedTraceError, UnreadableDataError
 from moetrace.trace.reader import Trace
 
 
@@ -17,3 +20,15 @@ def note_if_being_written(trace: Trace) -> None:
         f"{trace.num_requests} requests flushed so far",
         file=sys.stderr,
     )
+
+
+@contextmanager
+def unchecked_read_advice() -> Iterator[None]:
+    """For the commands that have ``--no-verify-checksums``: a checksum that fails says that
+    the option reads past it (an unreadable chunk stays unreadable, and says nothing)."""
+    try:
+        yield
+    except UnreadableDataError:
+        raise
+    except DamagedTraceError as exc:
+        raise exc.with_advice("--no-verify-checksums reads it unchecked") from None

@@ -17,9 +17,10 @@ from moetrace.engine.model_runner import LaunchedStep, ModelRunner, set_kernel_p
 from moetrace.engine.precompile import count_compiles, precompile
 from moetrace.engine.request import Request, RequestStatus, Scoring
 from moetrace.engine.sampling import SamplingParams
+from moetrace.engine.sampling_inputs import effective_seed
 from moetrace.engine.scheduler import Scheduler
 from moetrace.engine.stop_strings import StopStringMatcher, StreamingDecoder
-from moetrace.errors import CapacityError, MoetraceError
+from moetrace.errors import CapacityError, MoetraceError, UsageError
 from moetrace.models.base import MoEForCausalLM
 from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.records import FinishedRequest, OutputLogprobs
@@ -70,6 +71,7 @@ class StartupTimes:
 class EngineStats:
     steps: int = 0
     output_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (not served by the prefix cache)
     preemptions: int = 0
 
 
@@ -136,7 +138,12 @@ class LLMEngine:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
-        self.max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
+        if config.max_model_len and config.max_model_len > model.max_model_len:
+            raise UsageError(
+                f"--max-model-len {config.max_model_len}: above the model's context "
+                f"({model.max_model_len} tokens)"
+            )
+        self.max_model_len = config.max_model_len or model.max_model_len
         self.startup = StartupTimes()
         clock = self.startup.clock()
         with count_compiles(self.startup.late_compiles):
@@ -222,10 +229,12 @@ class LLMEngine:
         *,
         index: int = 0,
         samples: Sequence[int] | None = None,
+        extra: dict | None = None,
     ) -> list[Request]:
         """Queue a prompt; ``sampling.n`` > 1 queues that many samples of it (ids ``"i_<id>"``).
 
         ``samples``: only these sample indices (a resumed run redoes the missing ones).
+        ``extra``: JSON-able facts about the request its finished record carries (``extra``).
         Returns the queued samples' ``Request``s, which show their tokens as steps complete.
         """
         if request_id in self._samples:
@@ -253,6 +262,7 @@ class LLMEngine:
                 parent_id=request_id,
                 stop_strings=self._stop_strings(prompt_token_ids, params),
             )
+            request.extra = dict(extra or {})
             self._requests[engine_id] = request
             self.scheduler.add(request)
             queued.append(request)
@@ -370,6 +380,7 @@ class LLMEngine:
         finished = self.scheduler.update(step.output, sampled, step.logprobs())
         self.stats.steps += 1
         self.stats.output_tokens = self.scheduler.tokens_appended
+        self.stats.prompt_tokens += step.output.num_prompt_tokens
         return [self._finish(r) for r in finished]
 
     def _drain(self) -> list[FinishedRequest]:
@@ -428,8 +439,14 @@ class LLMEngine:
             finish_reason=request.status.value,
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_preemptions=request.num_preemptions,
+            extra=request.extra,
             sample_index=request.sample_index,
             stop_reason=request.stop_reason,
+            sampling_params=(
+                {}
+                if request.scoring is not None  # teacher-forced: nothing was sampled
+                else request.sampling.recorded(effective_seed(request, self.config.seed))
+            ),
             output_text=request.output_text,
             logprobs=logprobs,
             output_logprobs=None if logprobs is None else logprobs.token_logprob,

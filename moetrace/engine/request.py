@@ -111,6 +111,7 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.extra: dict = {}  # what the caller attaches; the finished record carries it
 
     @property
     def num_tokens_to_compute(self) -> int:

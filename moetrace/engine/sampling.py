@@ -154,6 +154,16 @@ class SamplingParams:
             or self.repetition_penalty != 1
         )
 
+    def recorded(self, seed: int) -> dict[str, Any]:
+        """The settings as a trace stores them: JSON-able, with the seed the request used
+        (``n`` left out: each sample is a record of its own)."""
+        from dataclasses import asdict
+
+        values = asdict(self)
+        del values["n"]
+        values["seed"] = seed
+        return values
+
     def for_sample(self, sample_index: int) -> SamplingParams:
         """The settings of sample ``sample_index`` of ``n``: vLLM gives each ``seed + index``."""
         from dataclasses import replace

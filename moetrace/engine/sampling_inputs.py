@@ -27,6 +27,13 @@ def request_seed(global_seed: int, index: int) -> int:
     return (global_seed * 1_000_003 + index * 7919 + 17) & 0x7FFFFFFFFFFFFFFF
 
 
+def effective_seed(request: Request, global_seed: int) -> int:
+    """The seed a request samples with: its own, else one the run seed gives its position."""
+    if request.sampling.seed is not None:
+        return request.sampling.seed
+    return request_seed(global_seed, request.index) + request.sample_index
+
+
 def _signed64(value: int) -> int:
     """A seed in [0, 2**64) (or any int) as the int64 with the same bits."""
     value %= _U64
@@ -108,10 +115,7 @@ class SamplingInputs:
         self.penalty_state = PenaltyState(vocab_size, device)
 
     def seed(self, request: Request) -> int:
-        params = request.sampling
-        if params.seed is not None:
-            return params.seed
-        return request_seed(self.global_seed, request.index) + request.sample_index
+        return effective_seed(request, self.global_seed)
 
     def build(self, requests: Sequence[Request]) -> SamplingBatch:
         params = [r.sampling for r in requests]

@@ -51,6 +51,15 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens computed this step (prefill and its chunks; prefix hits are not)."""
+        return sum(
+            max(0, min(s.num_computed_before + s.num_new_tokens, s.request.num_prompt_tokens)
+                - s.num_computed_before)
+            for s in self.scheduled
+        )  # fmt: skip
+
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 

@@ -61,7 +61,8 @@ _REQUEST_KEYS = (*PROMPT_KEYS, *SAMPLING_KEYS, *_ALIASES, *ENCODING_KEYS)
 _PLAIN_KEYS = ("id", *_REQUEST_KEYS)
 
 BATCH_KEYS = ("custom_id", "method", "url", "body")
-BATCH_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+CHAT_URL = "/v1/chat/completions"
+BATCH_URLS = {CHAT_URL: "messages", "/v1/completions": "prompt"}
 # Body keys that do not change what is computed; accepted and dropped.
 _BODY_IGNORED = ("model", "user", "metadata", "store")
 # Body keys accepted only with the value that matches what moetrace does anyway.

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetrace.errors import ModelError
+from moetrace.errors import ModelError, UsageError
 from moetrace.models.config_checks import parse_config_file
 from moetrace.models.demo import DEMO_NAME, cached_model, model_dir
 from moetrace.models.hub_cache import CachedModel
@@ -50,9 +50,15 @@ class ModelSource:
         }
 
     def context_length(self, max_model_len: int | None = None) -> int:
-        """The context a run may use: ``max_model_len`` within the model's own."""
+        """The context a run allows: ``--max-model-len``, refused past the model's (as vLLM
+        does)."""
         limit = int(self.config.get("max_position_embeddings", 32768))
-        return min(limit, max_model_len) if max_model_len else limit
+        if max_model_len and max_model_len > limit:
+            raise UsageError(
+                f"--max-model-len {max_model_len}: above the context of {self.name} ({limit} "
+                "tokens, max_position_embeddings in its config.json)"
+            )
+        return max_model_len or limit
 
 
 def resolve_model(
@@ -100,7 +106,10 @@ def _with_revision(model: str, revision: str | None, option: str) -> str:
     if revision is None:
         return model
     if model == DEMO_NAME:
-        raise ModelError(f"{option} {revision}: 'demo' is the built-in model; it has no revisions")
+        raise ModelError(
+            f"{option} {revision}: 'demo' is the built-in model, not a model id from the Hugging "
+            "Face cache (only those have revisions)"
+        )
     if cached_model(model) is None:
         raise ModelError(
             f"{option} {revision}: {model!r} is a directory, not a model id from the Hugging "

@@ -29,7 +29,7 @@ import moetrace
 from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.errors import CapacityError, InputError, MoetraceError
 from moetrace.inputs.intake import Intake
-from moetrace.inputs.prompts import STDIN, iter_prompts, line_limit
+from moetrace.inputs.prompts import CHAT_URL, STDIN, PromptSpec, iter_prompts, line_limit
 from moetrace.inputs.shards import select_shard, shard_settings
 from moetrace.models.fingerprint import weights_digest
 from moetrace.models.loader import resolve_dtype
@@ -65,6 +65,9 @@ class RecordResult:
     startup: dict[str, float] = field(default_factory=dict)  # seconds by phase, before step 1
     kernel_variants: int = 0
     late_compiles: int = 0  # kernel variants compiled one by one during start-up
+    # As steps complete, from the engine (requests still running included): for throughput.
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (not cache hits)
+    tokens_generated: int = 0
 
 
 def _input_error_dict(err: InputError) -> dict:
@@ -313,6 +316,8 @@ class Recording:
                     _count(result, finished)
                 if progress is not None:
                     result.elapsed_s = time.perf_counter() - start
+                    result.prompt_tokens_computed = engine.stats.prompt_tokens
+                    result.tokens_generated = engine.stats.output_tokens
                     progress(result, self.total)
             # A signal that came before this point marks the file incomplete, even if the
             # input ended meanwhile: the run stopped on request, and --resume completes it.
@@ -377,7 +382,9 @@ class Recording:
         """Queue one prompt's samples; returns the error that ends the intake, if any."""
         spec, ids, params, samples = item
         try:
-            engine.add_request(spec.id, ids, params, index=spec.index, samples=samples)
+            engine.add_request(
+                spec.id, ids, params, index=spec.index, samples=samples, extra=_route(spec)
+            )
         except RequestRejected as err:
             bad = InputError(self.source, spec.line, err.field, err.problem)
             if not self.plan.skip_invalid:
@@ -409,6 +416,12 @@ class Recording:
             f"({result.requests} from this run{kept}); {result.dropped_in_flight} in flight were "
             "dropped; marked incomplete, rerun with --resume to finish"
         )
+
+
+def _route(spec: PromptSpec) -> dict:
+    """What a record keeps of how the request was asked: a chat names the chat route, so
+    that ``export --format openai-batch`` answers it as vLLM's run-batch would."""
+    return {"url": CHAT_URL} if spec.messages is not None else {}
 
 
 @contextlib.contextmanager

@@ -59,6 +59,7 @@ class ReplayResult:
     elapsed_s: float = 0.0
     startup: dict[str, float] = field(default_factory=dict)
     report: dict = field(default_factory=dict)  # diff_traces(original, replayed)
+    complete: bool = True  # False: the trace replayed was incomplete, and so is this one
 
 
 ProgressCallback = Callable[[ReplayResult, int], None]
@@ -102,6 +103,7 @@ class Replay:
         with open_trace(self.trace_path) as source:
             self.total = source.num_requests
             self.source_metadata = dict(source.metadata)
+            self.source_complete = source.complete
 
     # -- what the run checks and writes ----------------------------------------
 
@@ -165,7 +167,7 @@ class Replay:
         stop.arm()
         writer.start()
         start = time.perf_counter()
-        complete, end_reason = False, "error"
+        complete, end_reason, interrupted = False, "error", None
         originals: dict[str, TraceRequest] = {}
         try:
             with open_trace(self.trace_path) as source:
@@ -193,13 +195,15 @@ class Replay:
             interrupted = stop.signum if stop.requested else None
             complete = interrupted is None
             end_reason = "complete" if complete else f"interrupted by {signal_name(interrupted)}"
+            if complete and not self.source_complete:  # it holds no more than its source
+                complete, end_reason = False, f"replay of an incomplete trace ({self.trace_path})"
         except BaseException as exc:
             end_reason = f"error: {' '.join(str(exc).split())[:300]}"
             raise
         finally:
             result.elapsed_s = time.perf_counter() - start
             writer.close(complete=complete, end_reason=end_reason)
-        if not complete:
+        if interrupted is not None:
             raise Interrupted(
                 stop.signum,
                 f"interrupted by {signal_name(stop.signum)}: {self.output} holds "
@@ -207,6 +211,12 @@ class Replay:
             )
         with open_trace(self.trace_path) as a, open_trace(self.output) as b:
             result.report = diff_traces(a, b)
+        result.complete = complete
+        if not complete:
+            result.report["warnings"].append(
+                f"{self.trace_path} is incomplete (its recording did not finish): "
+                f"{self.output} holds its requests and is marked incomplete too"
+            )
         result.report["replay"] = {
             "model": self.model.name,
             "dtype": metadata.dtype,
@@ -267,6 +277,7 @@ class Replay:
             num_preemptions=0 if done is None else done.num_preemptions,
             extra=original.extra,
             sample_index=original.sample_index,
+            stop_reason=original.stop_reason,  # where its tokens ended; nothing is sampled here
             output_logprobs=logprobs,
         )
 

@@ -23,33 +23,41 @@ import numpy as np
 from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import little_endian_bytes
 
+VERIFY_ADVICE = "'moetrace verify' lists every problem"
+
 
 class DamagedTraceError(MoetraceError):
-    """A request read from a trace is not what was written: refused, naming it."""
+    """A request read from a trace is not what was written: refused, naming it.
 
-    def __init__(self, message: str, problem: str = "") -> None:
-        super().__init__(message)
-        self.problem = problem or message  # what is wrong, without the advice around it
+    The message advises ``moetrace verify`` only: whether the damage may be read
+    past depends on who reads (``open_trace(..., verify=False)``, and the
+    ``--no-verify-checksums`` of the commands that have it, ``with_advice``).
+    """
+
+    def __init__(self, statement: str, problem: str = "") -> None:
+        super().__init__(f"{statement} ({VERIFY_ADVICE})")
+        self.statement = statement  # what is wrong and where, without advice
+        self.problem = problem or statement  # what is wrong, without where
+
+    def with_advice(self, advice: str) -> DamagedTraceError:
+        """The same error, advising ``advice`` beside ``moetrace verify``."""
+        error = DamagedTraceError(self.statement, self.problem)
+        error.args = (f"{self.statement} ({VERIFY_ADVICE}; {advice})",)
+        return error
 
 
 class UnreadableDataError(DamagedTraceError, OSError):
     """HDF5 could not read a slice (a damaged chunk); an OSError for callers that go on."""
 
 
-_UNCHECKED = (
-    "'moetrace verify' lists every problem; "
-    "--no-verify-checksums or open_trace(..., verify=False) reads it unchecked"
-)
-
-
 def damaged_file(path, problem: str) -> DamagedTraceError:
-    return DamagedTraceError(f"{path} is damaged: {problem} ({_UNCHECKED})", problem)
+    return DamagedTraceError(f"{path} is damaged: {problem}", problem)
 
 
 def damaged(path, position: int, request_id: str, problem: str) -> DamagedTraceError:
     return DamagedTraceError(
         f"{path}: request {position} ({request_id!r}) is damaged: {problem}; "
-        f"nothing after it is handed on ({_UNCHECKED})",
+        "nothing after it is handed on",
         f"request {position} ({request_id!r}) is damaged: {problem}",
     )
 

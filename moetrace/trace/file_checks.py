@@ -14,8 +14,31 @@ import h5py
 import numpy as np
 
 from moetrace.trace import tokenizer_files
+from moetrace.trace.integrity import plain_value
 from moetrace.trace.metadata import expert_id_dtype
 from moetrace.trace.records import ROUTED_EXPERTS, TOKEN_IDS
+
+
+def check_variable_length(dtype: np.dtype, where: str) -> None:
+    """Refuse a variable-length type that is not a string before anything is read with it.
+
+    HDF5 crashes the process, instead of failing, reading a value whose
+    variable-length string type is damaged (one flipped bit in the type made a
+    string a sequence); every variable-length value a trace holds is a string.
+    """
+    fields = [dtype[name] for name in dtype.names] if dtype.names else [dtype]
+    for field in fields:
+        if field.kind == "O" and h5py.check_string_dtype(field) is None:
+            raise ValueError(f"{where} has a damaged datatype")
+
+
+def checked_attributes(attrs: h5py.AttributeManager) -> dict:
+    """Every root attribute as plain Python, its type checked before its value is read."""
+    out = {}
+    for name in attrs:
+        check_variable_length(attrs.get_id(name).dtype, f"attribute {name!r}")
+        out[name] = plain_value(attrs[name])
+    return out
 
 
 def whole_file_problems(f: h5py.File, records: np.ndarray, complete: bool) -> list[str]:

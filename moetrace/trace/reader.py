@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
 
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, install_extra
 from moetrace.trace import tokenizer_files
 from moetrace.trace.checked_rows import (
     RowChecksums,
@@ -24,10 +26,15 @@ from moetrace.trace.checked_rows import (
     damaged,
     damaged_file,
 )
-from moetrace.trace.file_checks import whole_file_problems
+from moetrace.trace.file_checks import (
+    check_variable_length,
+    checked_attributes,
+    whole_file_problems,
+)
 from moetrace.trace.integrity import expected_num_rows, file_problem, plain_value, request_checksum
 from moetrace.trace.lock import writer_pid
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
+from moetrace.trace.output_text import decode_output, load_tokenizer
 from moetrace.trace.records import (
     ARRAYS,
     COLUMNS,
@@ -42,6 +49,9 @@ from moetrace.trace.records import (
     FinishedRequest,
     RecordDecoder,
 )
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # Root attributes written as JSON text (docs/trace-format.md), with their value when absent.
 JSON_ATTRIBUTES = {
@@ -62,11 +72,35 @@ class TraceRequest(FinishedRequest):
     row_start: int
     token_start: int
     checksum: int
+    # Gives the trace's tokenizer (loaded once, when first asked), for ``output_text``.
+    text_tokenizer: Callable[[], Tokenizer | None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def id(self) -> str:
         """The request id (the table's name for ``request_id``)."""
         return self.request_id
+
+    @property  # type: ignore[override]  (a field of FinishedRequest, decoded here on demand)
+    def output_text(self) -> str | None:
+        """The output as text, as the engine gave it (trace/output_text.py); None without a
+        tokenizer."""
+        tok = None if self.text_tokenizer is None else self.text_tokenizer()
+        if self._output_text is None and tok is not None:
+            self._output_text = decode_output(
+                tok,
+                self.prompt_token_ids,
+                self.output_token_ids,
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+                sampling_params=self.sampling_params,
+            )
+        return self._output_text
+
+    @output_text.setter
+    def output_text(self, value: str | None) -> None:
+        self._output_text = value
 
 
 class Trace:
@@ -78,7 +112,7 @@ class Trace:
         # raises DamagedTraceError naming the request instead of reaching a consumer.
         self.verify_reads = verify
         if not self.path.is_file():
-            raise MoetraceError(f"no such trace file: {self.path}")
+            raise MoetraceError(not_a_trace_file(self.path))
         # A run writing it holds its lock (trace/lock.py): what is flushed reads, and the
         # records past it are left out as after a kill; a failed read says why it may fail.
         self.writer_pid = writer_pid(self.path)
@@ -115,16 +149,16 @@ class Trace:
 
     def _load(self) -> None:
         f = self._file
-        fmt = plain_value(f.attrs.get("format"))
+        self.metadata: dict = checked_attributes(f.attrs)
+        fmt = self.metadata.get("format")
         if fmt != FORMAT_NAME:
             raise MoetraceError(f"not a moetrace trace (format attribute {fmt!r}): {self.path}")
-        version = int(f.attrs.get("format_version", 0))
+        version = int(self.metadata.get("format_version", 0))
         if version > FORMAT_VERSION:
             raise MoetraceError(
                 f"trace format version {version} is newer than this moetrace reads "
                 f"({FORMAT_VERSION}); upgrade moetrace: {self.path}"
             )
-        self.metadata: dict = {k: plain_value(v) for k, v in f.attrs.items()}
         # Attributes stored as JSON text come back as what they hold.
         for name, empty in JSON_ATTRIBUTES.items():
             self.metadata[name] = json.loads(self.metadata.get(name) or empty)
@@ -136,6 +170,7 @@ class Trace:
         self._arrays = [a for a in ARRAYS if a.name in f]
         self._data = {a.name: f[a.name] for a in self._arrays}
         self._routed, self._tokens, table = f[ROUTED_EXPERTS], f[TOKEN_IDS], f[REQUESTS]
+        check_variable_length(table.dtype, "the request table")
         try:
             self._decoder = RecordDecoder(table.dtype)
         except ValueError as exc:
@@ -217,6 +252,11 @@ class Trace:
         return None if ds is None else ds.dtype.name
 
     @property
+    def arrays(self) -> dict[str, str]:
+        """The flat datasets the trace holds (trace-format.md), each with its dtype."""
+        return {a.name: self._data[a.name].dtype.name for a in self._arrays}
+
+    @property
     def has_logprobs(self) -> bool:
         """Whether the trace holds output tokens' log-probabilities."""
         return LOGPROBS in self._data
@@ -238,6 +278,14 @@ class Trace:
         attribute ``tokenizer`` (a path on the machine that recorded) names it.
         """
         return tokenizer_files.read(self._file)
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer the trace carries (else the one at the path it names), or None."""
+        return load_tokenizer(self.tokenizer_files, self.metadata.get("tokenizer") or None)
+
+    def _tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
 
     @property
     def sample_indices(self) -> np.ndarray:
@@ -310,13 +358,13 @@ class Trace:
         dict) and the offsets row_start and token_start, then any column
         declared since in ``trace/records.py`` (its default where the file
         predates it); the index is the record number.  Needs pandas
-        (``pip install 'moetrace[pandas]'``).
+        (the ``pandas`` extra).
         """
         try:
             import pandas as pd
         except ImportError:
             raise MoetraceError(
-                "Trace.to_pandas needs pandas: pip install 'moetrace[pandas]'"
+                f"Trace.to_pandas needs pandas: {install_extra('pandas')}"
             ) from None
         t = self._table
         columns = {
@@ -338,9 +386,9 @@ class Trace:
             if column.name in columns or column.kind == PLACED:
                 continue
             columns[column.name] = (
-                [column.from_table(v) for v in t[column.name].tolist()]
+                [column.from_table(plain_value(v)) for v in t[column.name].tolist()]
                 if column.name in held
-                else [column.default] * len(t)
+                else [column.default_value for _ in range(len(t))]
             )
         return pd.DataFrame(columns, index=pd.RangeIndex(len(t), name="record"))
 
@@ -395,7 +443,7 @@ class Trace:
         except (OSError, RuntimeError, ValueError) as exc:
             raise UnreadableDataError(
                 f"{self.path}: {name}[{start}:{stop}] cannot be read, the file is damaged "
-                f"({_one_line(exc)}); 'moetrace verify' names the requests hit"
+                f"({_one_line(exc)})"
             ) from None
 
     def _make(self, pos: int, slices: dict[str, np.ndarray], check: bool) -> TraceRequest:
@@ -405,7 +453,7 @@ class Trace:
         fields = self._decoder.fields(rec)
         for a in self._arrays:
             fields.update(a.fields(slices[a.name], int(rec["prompt_len"])))
-        return TraceRequest(position=pos, **fields)
+        return TraceRequest(position=pos, text_tokenizer=self._tokenizer, **fields)
 
     def iter_prompt_tokens(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(id, prompt_token_ids)`` of every request, reading token ids only (no rows)."""
@@ -614,3 +662,12 @@ def open_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def not_a_trace_file(path: Path) -> str:
+    """What stands at a trace path that is not a regular file, in words."""
+    if path.is_dir():
+        return f"{path} is a directory, not a trace file"
+    if path.exists():
+        return f"{path} is not a regular file, so not a trace file"
+    return f"no such trace file: {path}"

@@ -86,8 +86,10 @@ class FinishedRequest:
     routed_weights: np.ndarray | None = None  # float16 or float32 (num_rows, L, k)
     # Log-probability of each output token under the model that ran it (format 2).
     output_logprobs: np.ndarray | None = None  # float32 (output_len,)
-    # Handed out by the engine, not stored in the trace:
     stop_reason: int | str | None = None  # vLLM's: the stop token id (not EOS) or stop string
+    # The settings it was sampled with (vLLM's SamplingParams names; seed: the one it used).
+    sampling_params: dict = field(default_factory=dict)
+    # Handed out by the engine, not stored in the trace (a reader decodes it from the tokens):
     output_text: str | None = None  # detokenized output cut at a stop string (with stop strings)
     logprobs: OutputLogprobs | None = None  # with SamplingParams.logprobs
     # Teacher-forced (scoring) requests: each prompt token's log-probability, NaN where none.
@@ -141,12 +143,26 @@ def _extra_from_table(text: str) -> dict:
     return json.loads(text) if text else {}
 
 
+def _stop_reason_to_table(reason: int | str | None) -> str:
+    """JSON text: an integer is a stop token id, a string the stop string; "" for none."""
+    return "" if reason is None else json.dumps(reason if isinstance(reason, str) else int(reason))
+
+
+def _stop_reason_from_table(text: str) -> int | str | None:
+    return json.loads(text) if text else None
+
+
 @dataclass(frozen=True)
 class Column:
     """One field of the ``requests`` table.
 
-    ``default`` is what a file written before the column existed reads as; the
-    columns of format version 1 have none (every file has them).
+    ``default`` is the table value a file written before the column existed
+    reads as (through ``from_table``); the columns of format version 1 have none
+    (every file has them).  ``droppable``: appended to such an older table, a
+    record leaves the value out instead of being refused, because it says how
+    the request ran, not what it recorded (the file's earlier records lack it
+    as well); a value that identifies the request (``sample_index``) is never
+    dropped.
     """
 
     name: str
@@ -156,6 +172,12 @@ class Column:
     default: object = None
     to_table: Callable = _same
     from_table: Callable = _same
+    droppable: bool = False
+
+    @property
+    def default_value(self):
+        """The attribute a record of a file without the column gets."""
+        return self.from_table(self.default)
 
     @property
     def attribute(self) -> str:
@@ -178,6 +200,24 @@ COLUMNS: tuple[Column, ...] = (
     Column("extra", STRING, to_table=_extra_to_table, from_table=_extra_from_table),
     # Several samples of one prompt (n > 1) share its id and differ here; 0 before it existed.
     Column("sample_index", np.dtype("<i4"), to_table=int, from_table=int, default=0),
+    # vLLM's stop_reason as JSON text: the stop token id (not EOS) or the stop string matched.
+    Column(
+        "stop_reason",
+        STRING,
+        to_table=_stop_reason_to_table,
+        from_table=_stop_reason_from_table,
+        default="",
+        droppable=True,
+    ),
+    # The request's sampling settings as a JSON object ("" before the column existed).
+    Column(
+        "sampling_params",
+        STRING,
+        to_table=_extra_to_table,
+        from_table=_extra_from_table,
+        default="",
+        droppable=True,
+    ),
 )
 REQUEST_DTYPE = np.dtype([(c.name, c.dtype) for c in COLUMNS])
 
@@ -205,7 +245,7 @@ def table_row(
 def unstorable(encoded: dict, columns: tuple[Column, ...]) -> str | None:
     """Why a table with only ``columns`` cannot hold the record (a later field set), or None."""
     for c in COLUMNS[len(columns) :]:
-        if encoded[c.name] != c.default:
+        if encoded[c.name] != c.default and not c.droppable:
             return f"{c.name} {encoded[c.name]!r}: the trace was written before that field existed"
     return None
 
@@ -244,13 +284,11 @@ class RecordDecoder:
             if enum is not None:
                 self.enum_names[c.name] = {code: name for name, code in enum.items()}
         self._present = [c for c in columns if c.kind != LENGTH and c.name in names]
-        self._defaults = {
-            c.attribute: c.default for c in columns if c.kind != LENGTH and c.name not in names
-        }
+        self._missing = [c for c in columns if c.kind != LENGTH and c.name not in names]
 
     def fields(self, record: np.void) -> dict:
         """Keyword arguments for a ``FinishedRequest`` (``PLACED`` columns included)."""
-        out = dict(self._defaults)
+        out = {c.attribute: c.default_value for c in self._missing}
         for c in self._present:
             value = record[c.name]
             names = self.enum_names.get(c.name)

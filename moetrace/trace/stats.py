@@ -124,4 +124,5 @@ def summary(trace: Trace) -> dict:
         "complete": trace.complete,
         "dropped_records": trace.num_dropped,
         "finish_reasons": reasons,
+        "arrays": trace.arrays,
     }

@@ -33,7 +33,7 @@ import h5py
 from moetrace.errors import MoetraceError
 from moetrace.trace.integrity import metadata_problem, table_crc_problem
 from moetrace.trace.lock import writer_pid
-from moetrace.trace.reader import Trace
+from moetrace.trace.reader import Trace, not_a_trace_file
 from moetrace.trace.records import REQUESTS
 
 # How a merge of some of a split's shards begins its end_reason (analysis/merge.py).
@@ -146,7 +146,7 @@ def verify_trace(
 
 def _verify(path: Path, progress: Callable[[], None] | None) -> VerifyReport:
     if not path.is_file():
-        raise MoetraceError(f"no such trace file: {path}")
+        raise MoetraceError(not_a_trace_file(path))
     if not h5py.is_hdf5(path):
         raise MoetraceError(f"not an HDF5 file: {path}")
     report = VerifyReport(path)

@@ -192,3 +192,101 @@ def test_a_failed_write_leaves_the_old_file(tmp_path):
     with replacing(old) as temporary:
         temporary.write_bytes(b"new")
     assert old.read_bytes() == b"new" and list(tmp_path.iterdir()) == [old]
+
+
+# -- every per-token field the trace holds, in every format ----------------------------
+
+
+@pytest.fixture(scope="module")
+def full_trace(tmp_path_factory) -> Path:
+    """Gate weights, log-probabilities and a stop string: every field a trace can hold."""
+    tmp = tmp_path_factory.mktemp("export_full")
+    lines = [*PROMPTS, {"id": "s", "prompt": "Hello there", "max_tokens": 20, "stop": [" "]}]
+    (tmp / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
+    proc = moetrace(
+        "record", "demo", "p.jsonl", "-o", "t.h5", "-q", "--max-tokens", "7",
+        "--record-weights", "--logprobs", cwd=tmp,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "t.h5"
+
+
+def stored_fields(trace: Path) -> dict:
+    """Per request id: weights, output log-probabilities and stop reason, read with h5py alone."""
+    with h5py.File(trace, "r") as f:
+        out = {}
+        for rec in f["requests"][:]:
+            r0, n = int(rec["row_start"]), int(rec["num_rows"])
+            t0, p, o = int(rec["token_start"]), int(rec["prompt_len"]), int(rec["output_len"])
+            out[rec["id"].decode()] = {
+                "routed_weights": f["routed_weights"][r0 : r0 + n],
+                "token_logprobs": f["logprobs"][t0 + p : t0 + p + o],
+                "stop_reason": json.loads(rec["stop_reason"] or b"null"),
+            }
+        return out
+
+
+def _npy(text: str) -> np.ndarray:
+    import base64
+    import io
+
+    return np.load(io.BytesIO(base64.b64decode(text)))
+
+
+def test_every_format_carries_weights_logprobs_and_stop_reasons(full_trace, tmp_path):
+    want = stored_fields(full_trace)
+    assert want["s"]["stop_reason"] == " "  # the stop string ended it
+    lines = moetrace("export", str(full_trace)).stdout.splitlines()
+    for line in map(json.loads, lines):
+        w = want[line["id"]]
+        np.testing.assert_array_equal(_npy(line["routed_weights"]), w["routed_weights"])
+        assert line["token_logprobs"] == w["token_logprobs"].tolist()
+        assert line["stop_reason"] == w["stop_reason"]
+        assert line["sampling_params"]["max_tokens"] in (5, 7, 20)
+
+    assert moetrace("export", str(full_trace), "-o", str(tmp_path / "t.npz")).returncode == 0
+    z = np.load(tmp_path / "t.npz")
+    for i, rid in enumerate(z["ids"].tolist()):
+        rows = slice(z["row_offsets"][i], z["row_offsets"][i + 1])
+        outs = slice(z["output_offsets"][i], z["output_offsets"][i + 1])
+        np.testing.assert_array_equal(z["routed_weights"][rows], want[rid]["routed_weights"])
+        np.testing.assert_array_equal(z["token_logprobs"][outs], want[rid]["token_logprobs"])
+        reason = z["stop_reasons"][i]
+        assert (json.loads(reason) if reason else None) == want[rid]["stop_reason"]
+
+    pd = pytest.importorskip("pandas")
+    assert moetrace("export", str(full_trace), "-o", str(tmp_path / "t.parquet")).returncode == 0
+    for _, row in pd.read_parquet(tmp_path / "t.parquet").iterrows():
+        w = want[row["id"]]
+        weights = np.array([np.stack(layer) for layer in row["routed_weights"]])
+        np.testing.assert_array_equal(weights, w["routed_weights"])
+        np.testing.assert_array_equal(row["token_logprobs"], w["token_logprobs"])
+        reason = row["stop_reason"]
+        assert (json.loads(reason) if isinstance(reason, str) else None) == w["stop_reason"]
+
+    for array, key in (("routed_weights", "routed_weights"), ("token_logprobs", "token_logprobs")):
+        out = tmp_path / f"{array}.npy"
+        proc = moetrace("export", str(full_trace), "-r", "s", "--array", array, "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        np.testing.assert_array_equal(np.load(out), want["s"][key])
+
+
+def test_an_array_the_trace_lacks_is_refused_by_name(trace, tmp_path):
+    out = tmp_path / "w.npy"
+    proc = moetrace("export", str(trace), "-r", "a", "--array", "routed_weights", "-o", str(out))
+    assert proc.returncode == 1 and not out.exists()
+    assert proc.stderr.splitlines() == [
+        f"error: {trace} holds no routed_weights (record with --record-weights); it holds "
+        "routed_experts"
+    ]
+    proc = moetrace("export", str(trace), "--array", "token_logprobs")  # JSON Lines: all of them
+    assert proc.returncode == 2 and "--format npy" in proc.stderr
+
+
+def test_inspect_names_the_arrays_a_trace_holds(trace, full_trace):
+    plain = json.loads(moetrace("inspect", str(trace), "--json").stdout)["arrays"]
+    full = json.loads(moetrace("inspect", str(full_trace), "--json").stdout)["arrays"]
+    assert plain == {"routed_experts": "uint8", "token_ids": "int32"}
+    assert full == {**plain, "routed_weights": "float16", "logprobs": "float32"}
+    shown = " ".join(moetrace("inspect", str(full_trace)).stdout.split())
+    assert "routed_weights: float16, logprobs: float32" in shown

@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from support.cli import moetrace
 from typer.testing import CliRunner
 
 from moetrace import open_trace
@@ -126,14 +127,30 @@ def test_plots_are_written(demo, tmp_path, suffix):
         assert b"<svg" in data
 
 
+def test_a_plot_replaces_a_file_only_with_overwrite_as_every_output(demo, tmp_path):
+    """--plot wrote over an existing file without a word; every other output refuses."""
+    out = tmp_path / "load.png"
+    out.write_bytes(b"keep me")
+    for command in (["inspect", str(demo)], ["diff", str(demo), str(demo)]):
+        proc = moetrace(*command, "--plot", str(out))
+        assert proc.returncode in (1, 2) and out.read_bytes() == b"keep me", proc.stderr
+        assert proc.stderr.splitlines() == [
+            f"error: {out} already exists (pass --overwrite to replace it)"
+        ]
+        proc = moetrace(*command, "--plot", str(out), "--overwrite")
+        assert proc.returncode == 0, proc.stderr
+        assert out.read_bytes().startswith(b"\x89PNG")
+        out.write_bytes(b"keep me")
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
     from moetrace.analysis import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MoetraceError, match=r"pip install 'moetrace\[plot\]'"):
-        plots.check_plot_path(tmp_path / "x.png")
+    with pytest.raises(MoetraceError, match=r"make extra EXTRA=plot"):
+        plots.check_plot_path(tmp_path / "x.png", overwrite=False, inputs=[])
     with pytest.raises(MoetraceError, match="must end in"):
-        plots.check_plot_path(tmp_path / "x.jpg")
+        plots.check_plot_path(tmp_path / "x.jpg", overwrite=False, inputs=[])
 
 
 def test_vllm_import_diffs_against_the_moetrace_trace(demo, tmp_path):

@@ -56,3 +56,24 @@ def test_the_demo_runs_without_the_extras(tmp_path):
         proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
                               text=True, env=env, check=False)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
+
+
+def test_a_missing_extra_is_named_with_what_installs_it_from_the_clone(tmp_path):
+    """moetrace is not on a package index: 'pip install moetrace[parquet]' finds nothing."""
+    script = WITHOUT_EXTRAS.format(blocked={"pyarrow"})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "Hi", "max_tokens": 2}\n')
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for args in (["record", "demo", str(prompts), "-o", str(tmp_path / "t.h5"), "-q"],
+                 ["export", str(tmp_path / "t.h5"), "-o", str(tmp_path / "t.parquet")]):  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                              text=True, env=env, check=False)  # fmt: skip
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert "make extra EXTRA=parquet" in line and "pip install -e '.[parquet]'" in line
+    assert "'moetrace[" not in line
+    plan = subprocess.run(
+        ["make", "-n", "extra", "EXTRA=parquet", f"VENV={tmp_path / 'venv'}"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert any(line.endswith('pip install -q -e ".[parquet]"') for line in plan.splitlines())

@@ -73,7 +73,7 @@ def test_what_the_cache_lacks_is_one_line_and_nothing_is_fetched(hub, tmp_path):
     code, err = record(tmp_path, REPO, "--revision", "v9")
     assert code == 1 and "revision 'v9' is not in the Hugging Face cache (cached: main, v2" in err
     code, err = record(tmp_path, "demo", "--revision", "v2")
-    assert code == 1 and "'demo' is the built-in model; it has no revisions" in err
+    assert code == 1 and "'demo' is the built-in model, not a model id" in err
     code, err = record(tmp_path, str(tmp_path), "--revision", "v2")
     assert code == 1 and "is a directory, not a model id from the Hugging Face cache" in err
     code, err = record(tmp_path, "demo", "--tokenizer", "nope")

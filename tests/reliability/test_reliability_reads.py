@@ -15,7 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from support.corruption import corrupted_copies, read_all_ways
+from support.corruption import corrupted_copies, guarded_cli, read_all_ways
 from support.reliability import assert_one_line_error, reference_run, run_cli, write_jsonl
 
 from moetrace import open_trace
@@ -199,3 +199,18 @@ def test_an_hdf5_possibly_corrupted_error_is_one_line(demo_trace, tmp_path):
             text = err if command[0] != "verify" else out + err
             assert code == 1 and "Traceback" not in text, text
             assert "possibly corrupted" in text and "damaged" in text, text
+
+
+@pytest.mark.parametrize("name", [b"created\x00", b"sampling_params\x00"])
+def test_a_damaged_string_type_is_refused_not_crashed_on(demo_trace, tmp_path, name):
+    """HDF5 crashed (signal 11) reading a string whose variable-length type had one bit
+    flipped into a sequence's: the corruption campaign hit it in the attribute ``created``;
+    the request table's string columns hold the same type."""
+    raw = bytearray(demo_trace.read_bytes())
+    at = raw.index(bytes([0x19, 0x01]), raw.index(name))  # variable length (9), string (1)
+    raw[at + 1] ^= 0x02
+    path = tmp_path / "t.h5"
+    path.write_bytes(bytes(raw))
+    for command in ("export", "inspect"):
+        code, err = guarded_cli(command, str(path))
+        assert_one_line_error(code, err, "damaged datatype")

@@ -265,3 +265,30 @@ def test_another_revision_of_a_cached_model_id(tmp_path, monkeypatch):
         assert b.metadata["engine_settings"]["model_commit"] == "b" * 40
     proc = moetrace("replay", trace, str(ckpt), "-o", str(tmp_path / "x.h5"), "--revision", "v2")
     assert proc.returncode == 1 and "is a directory, not a model id" in proc.stderr
+
+
+def test_replay_says_what_it_could_not_measure_and_keeps_a_source_incomplete(tmp_path):
+    """Forced replay of a trace without log-probs printed 'identical' and no word that the
+    drift was never measured; a replay of an incomplete trace was marked complete."""
+    import h5py
+
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"id": f"r{i}", "prompt": "Hi " * (i + 1)}) + "\n" for i in range(3))
+    )
+    proc = moetrace("record", "demo", "p.jsonl", "-o", "t.h5", "-q", "--max-tokens", "4",
+                    cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(tmp_path / "t.h5", "r+") as f:
+        f.attrs["complete"] = False  # as a recording stopped by a signal leaves it
+    proc = moetrace("replay", "t.h5", "demo", "-o", "r.h5", "--force-routing", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    shown = " ".join(proc.stdout.split())
+    assert "identical" in shown
+    assert "A holds no log-probabilities (recorded without --logprobs): the log-probability " \
+        "drift was not measured" in shown  # fmt: skip
+    assert "t.h5 is incomplete" in shown
+    assert "marked incomplete" in proc.stderr
+    assert moetrace("verify", str(tmp_path / "r.h5")).returncode == 3  # incomplete, intact
+    proc = moetrace("replay", "t.h5", "demo", "-o", "j.h5", "--json", cwd=tmp_path)
+    warnings = json.loads(proc.stdout)["warnings"]
+    assert any("log-probability drift was not measured" in w for w in warnings)

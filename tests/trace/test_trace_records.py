@@ -18,7 +18,7 @@ from moetrace import open_trace
 from moetrace.errors import MoetraceError
 from moetrace.trace import reader as reader_module
 from moetrace.trace import records
-from moetrace.trace.integrity import record_crc
+from moetrace.trace.integrity import plain_value, record_crc
 from moetrace.trace.metadata import FORMAT_VERSION, TraceMetadata
 from moetrace.trace.records import REQUEST_DTYPE, FinishedRequest, RecordDecoder
 from moetrace.trace.writer import TraceWriter
@@ -45,7 +45,8 @@ def test_the_writer_still_writes_the_records_of_the_earlier_one(tmp_path, name):
         assert REQUEST_DTYPE.names[: len(old_names)] == old_names
         assert new["requests"].fields(list(old_names))[:].tolist() == old["requests"][:].tolist()
         for column in records.COLUMNS[len(old_names) :]:
-            assert (new["requests"][column.name] == column.default).all()
+            values = [plain_value(v) for v in new["requests"][column.name]]
+            assert values == [column.default] * len(values), column.name
         for ds in ("routed_experts", "token_ids"):
             assert new[ds].dtype == old[ds].dtype
             np.testing.assert_array_equal(new[ds][:], old[ds][:])
@@ -203,3 +204,38 @@ def test_a_declared_column_reaches_to_pandas_without_an_edit_there(monkeypatch):
         assert "checksum" not in table.columns
         declared = [c.name for c in records.COLUMNS if c.kind != records.PLACED]
         assert set(table.columns) == {*declared, "row_start", "token_start", "num_spec_tokens"}
+
+
+def test_stop_reasons_and_sampling_settings_round_trip_and_an_older_table_leaves_them_out(
+    tmp_path,
+):
+    name = "trace_v1_uint8.h5"
+    md = TraceMetadata(**legacy_metadata_fields(name))
+    first = expected_requests(name)[0]
+    reasons = [None, 151645, "\n\n", "42"]  # none (EOS, length), a stop token, stop strings
+    reqs = [
+        FinishedRequest(
+            **{**first, "request_id": f"r{i}"},
+            stop_reason=reason,
+            sampling_params={"temperature": 0.5 * i, "stop": ["\n\n", "42"], "seed": 2**63 - 1},
+        )
+        for i, reason in enumerate(reasons)
+    ]
+    _write(tmp_path / "new.h5", md, reqs)
+    with open_trace(tmp_path / "new.h5") as trace:
+        assert [r.stop_reason for r in trace] == reasons
+        assert [r.sampling_params for r in trace] == [r.sampling_params for r in reqs]
+        assert trace.verify() == []
+    with h5py.File(tmp_path / "new.h5", "r") as f:  # JSON text, as trace-format.md says
+        stored = [plain_value(v) for v in f["requests"]["stop_reason"]]
+        assert stored == ["", "151645", '"\\n\\n"', '"42"']
+    old = tmp_path / name
+    old.write_bytes((DATA / name).read_bytes())
+    writer = TraceWriter(old, md, append=True).start()
+    writer.submit(reqs[2])  # how it ran is left out, where the earlier records lack it too
+    writer.close()
+    with open_trace(old) as trace:
+        appended = trace.request("r2")
+        assert appended.stop_reason is None and appended.sampling_params == {}
+        np.testing.assert_array_equal(appended.routed_experts, reqs[2].routed_experts)
+        assert trace.verify() == []

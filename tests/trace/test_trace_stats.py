@@ -136,4 +136,5 @@ def test_summary(tmp_path):
         "complete": True,
         "dropped_records": 0,
         "finish_reasons": {"stop": 2, "length": 1, "abort": 1},
+        "arrays": {"routed_experts": "uint16", "token_ids": "int32"},  # 300 experts: uint16
     }

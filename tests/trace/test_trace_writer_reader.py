@@ -560,3 +560,14 @@ def test_reserve_zero_still_keeps_a_flushs_room(tmp_path, monkeypatch):
         w.close(complete=False)
     with open_trace(path) as t:
         assert [r.id for r in t] == [make_request(np.random.default_rng(4), md, 0, 5, 3).request_id]
+
+
+def test_a_directory_is_not_called_missing(tmp_path):
+    from support.cli import moetrace
+
+    for command in (["inspect"], ["export"], ["verify"]):
+        proc = moetrace(*command, str(tmp_path))
+        assert proc.returncode == 1, (command, proc.stderr)
+        assert proc.stderr.splitlines() == [f"error: {tmp_path} is a directory, not a trace file"]
+    proc = moetrace("inspect", str(tmp_path / "nothing.h5"))
+    assert proc.stderr.splitlines() == [f"error: no such trace file: {tmp_path / 'nothing.h5'}"]

@@ -11,6 +11,38 @@ def table(title: str) -> Table:
     return Table(title=title, box=box.SIMPLE_HEAVY)
 
 
+def id_table(
+    title: str,
+    width: int,
+    columns: list[tuple[str, str]],
+    rows: list[tuple[str, list[str]]],
+) -> Table:
+    """A table of requests, ``(id, cells)`` per row, whose ids are never cut.
+
+    Served ids share their first characters (``cmpl-...``), so an id cut short
+    hides which request a row is: the id column gets the width the figures
+    leave of ``width`` (at least 8), and a longer id folds onto more lines.
+    ``columns``: each other column's header and justification.
+    """
+    natural = [
+        max([len(w) for w in header.split()] + [len(cells[i]) for _, cells in rows])
+        for i, (header, _) in enumerate(columns)
+    ]
+    # Padding collapsed: every column takes its width and two spaces, the edges one more.
+    left = width - sum(n + 2 for n in natural) - 4
+    longest = max((len(rid) for rid, _ in rows), default=2)
+    t = table(title)
+    t.collapse_padding = True
+    shown = max(2, min(longest, max(8, left)))
+    # (rich counts the first column's collapsed edge padding in its width)
+    t.add_column("id", justify="left", overflow="fold", width=shown + 1)
+    for (header, justify), n in zip(columns, natural, strict=True):
+        t.add_column(header, justify=justify, width=n)  # a header of two words may wrap
+    for rid, cells in rows:
+        t.add_row(rid, *cells)
+    return t
+
+
 def num(x, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from moetrace.analysis.requests import request_table
 from moetrace.analysis.views import InspectOptions, View, ViewContext
-from moetrace.analysis.views._tables import pct, table
+from moetrace.analysis.views._tables import id_table, pct
 
 
 def wanted(opts: InspectOptions) -> bool:
@@ -22,24 +22,27 @@ def render(console: Console, r: dict) -> None:
     rows = r["request_table"]
     part = r["selection"]["part"]
     scope = "" if part == "all" else f"; rows and reuse of {part} tokens"
-    t = table(f"requests ({len(rows):,} shown of {r['selection']['requests']:,}{scope})")
-    for name in ("id", "prompt", "output", "rows", "finish", "cached", "preempt"):
-        t.add_column(name, justify="right" if name not in ("id", "finish") else "left")
-    t.add_column("top-1 rep.", justify="right")
-    t.add_column("experts used", justify="right")
-    for q in rows:
-        t.add_row(
+    headers = ("prompt", "output", "rows", "finish", "cached", "preempt", "top-1 rep.",
+               "experts used")  # fmt: skip
+    columns = [(h, "left" if h == "finish" else "right") for h in headers]
+    cells = [
+        (
             q["id"],
-            f"{q['prompt_len']:,}",
-            f"{q['output_len']:,}",
-            f"{q['rows']:,}",
-            q["finish_reason"],
-            f"{q['num_cached_tokens']:,}",
-            str(q["num_preemptions"]),
-            pct(q["top1_repeat"]),
-            pct(q["experts_touched"]),
+            [
+                f"{q['prompt_len']:,}",
+                f"{q['output_len']:,}",
+                f"{q['rows']:,}",
+                q["finish_reason"],
+                f"{q['num_cached_tokens']:,}",
+                str(q["num_preemptions"]),
+                pct(q["top1_repeat"]),
+                pct(q["experts_touched"]),
+            ],
         )
-    console.print(t)
+        for q in rows
+    ]
+    title = f"requests ({len(rows):,} shown of {r['selection']['requests']:,}{scope})"
+    console.print(id_table(title, console.width, columns, cells))
 
 
 VIEW = View(

@@ -21,6 +21,7 @@ SUMMARY_KEYS = (
     "complete",
     "dropped_records",
     "finish_reasons",
+    "arrays",
 )
 
 

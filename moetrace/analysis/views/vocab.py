@@ -8,7 +8,7 @@ from moetrace.analysis.load import Accumulator
 from moetrace.analysis.views import InspectOptions, View, ViewContext
 from moetrace.analysis.views._tables import pct, table, token_label
 from moetrace.analysis.vocabulary import ExpertVocabulary, TokenExperts
-from moetrace.errors import MoetraceError
+from moetrace.errors import MoetraceError, UsageError
 
 
 def wanted(opts: InspectOptions) -> bool:
@@ -44,6 +44,12 @@ def _token_ids(ctx: ViewContext) -> list[int]:
             raise MoetraceError(
                 f"--token {t!r}: expected a token id (use --token-text for text)"
             ) from None
+    vocab_size = int(ctx.trace.metadata.get("vocab_size") or 0)
+    outside = next((i for i in ids if vocab_size and not 0 <= i < vocab_size), None)
+    if outside is not None:
+        raise UsageError(
+            f"--token {outside}: outside the vocabulary (token ids 0..{vocab_size - 1})"
+        )
     for t in ctx.opts.token_texts:
         encoded = ctx.text.encode(t)
         if len(encoded) != 1:
