@@ -92,6 +92,9 @@ class FinishedRequest:
     logprobs: OutputLogprobs | None = None  # with SamplingParams.logprobs
     # Teacher-forced (scoring) requests: each prompt token's log-probability, NaN where none.
     prompt_logprobs: np.ndarray | None = None  # float32 (prompt_len,)
+    # [version, start, end): the weight version that sampled output tokens start..end-1
+    # (moetrace serve; a served trace keeps them in ``extra["weight_versions"]``).
+    weight_versions: list = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
