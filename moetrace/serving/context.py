@@ -20,7 +20,13 @@ from moetrace.runs.setup import generation_defaults as checkpoint_generation_def
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.protocol import FieldProblem
 from moetrace.serving.responses import Base64Text
-from moetrace.trace.wire import float32_base64, hidden_layer_rows, int32_base64, npy_base64
+from moetrace.trace.wire import (
+    float32_base64,
+    hidden_layer_rows,
+    int32_base64,
+    npy_base64,
+    raw_base64,
+)
 
 # vLLM's defaults for OpenAI requests that leave a sampling field out.
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -61,6 +67,8 @@ class ServingContext:
     )
     created: int = 0
     draining: bool = False
+    enable_weight_updates: bool = False  # the trainer's control routes exist
+    dtype: str = "auto"  # --dtype as given (SGLang's server info reports it)
 
     @property
     def model_name(self) -> str:
@@ -127,6 +135,17 @@ class ServingContext:
     def sglang_routed_experts(self, rows: np.ndarray, start: int) -> Base64Text:
         """SGLang's ``meta_info.routed_experts``: flat int32, rows from ``start`` on."""
         return Base64Text(int32_base64(self.vllm_rows(rows[start:])))
+
+    def packed_routed_experts(self, rows: np.ndarray, start: int) -> dict:
+        """prime-rl's ``routed_experts`` object: raw bytes of the rows from ``start`` on
+        (every hidden layer), with their shape, ``start`` and dtype."""
+        spread = self.vllm_rows(rows[start:])
+        return {
+            "data": Base64Text(raw_base64(spread)),
+            "shape": list(spread.shape),
+            "start": start,
+            "dtype": spread.dtype.name,
+        }
 
     def check_weights_asked(self, asked: bool) -> None:
         """Refuse a request for gate weights the engine does not capture."""

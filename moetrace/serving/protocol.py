@@ -93,7 +93,6 @@ _COMMON_UNSUPPORTED: dict[str, Any] = {
     "response_format": None,
     "structured_outputs": None,
     "priority": 0,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "ec_transfer_params": None,
     "vllm_xargs": None,
@@ -134,6 +133,10 @@ class SamplingFields(Strict):
     routed_experts_prompt_start: int = Field(0, ge=0)
     # moetrace's: each choice's gate weights beside its routed experts (docs/serving.md).
     return_routed_weights: bool = False
+    # vLLM's: prefix-cache hits only among requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: per choice, which weight version sampled which output tokens.
+    return_weight_versions: bool = False
 
     @property
     def stop_strings(self) -> list[str]:

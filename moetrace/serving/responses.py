@@ -104,9 +104,15 @@ def now() -> int:
     return int(time.time())
 
 
-async def read_body(http: HttpRequest, model: type[BaseModel]) -> Any:
-    """The request body as ``model``; malformed JSON and bad fields become ``FieldProblem``."""
+async def read_body(
+    http: HttpRequest, model: type[BaseModel], *, empty_is_object: bool = False
+) -> Any:
+    """The request body as ``model``; malformed JSON and bad fields become ``FieldProblem``.
+
+    ``empty_is_object``: no body reads as ``{}`` (control calls trainers post bare)."""
     raw = await http.body()
+    if empty_is_object and not raw.strip():
+        raw = b"{}"
     try:
         data = json.loads(raw)
     except UnicodeDecodeError:

@@ -41,6 +41,7 @@ from moetrace.runs.setup import (
 )
 from moetrace.serving.app import create_app
 from moetrace.serving.context import ModelFacts, ServingContext, generation_defaults
+from moetrace.serving.engine_control import DEFAULT_VERSION, EngineControl
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.engine_process import EngineSpec
 from moetrace.serving.remote_engine import RemoteEngine
@@ -155,6 +156,8 @@ class Server:
         log_level: str = "warning",
         extra_settings: dict | None = None,
         engine_in_process: bool = True,
+        enable_weight_updates: bool = False,
+        weight_update_timeout_s: float = 600.0,
     ) -> None:
         engine.validate()
         if shutdown_timeout_s < 0:
@@ -165,6 +168,12 @@ class Server:
             )
         if flush_interval_s <= 0 or flush_every_requests < 1:
             raise MoetraceError("--flush-interval must be > 0 and --flush-every at least 1")
+        if not weight_update_timeout_s > 0:
+            raise MoetraceError(
+                f"--weight-update-timeout must be > 0 seconds, got {weight_update_timeout_s:g}"
+            )
+        self.enable_weight_updates = enable_weight_updates
+        self.weight_update_timeout_s = weight_update_timeout_s
         self.switch_interval_s = switch_interval_s()
         self.model_name = model
         self.device = resolve_device(device)
@@ -226,6 +235,7 @@ class Server:
         """The engine in this process (``--engine-in-process``, tensor parallelism)."""
         ready = load_engine(self)
         loaded, engine = ready.loaded, ready.engine
+        engine.weight_version = DEFAULT_VERSION  # each token is stamped with its weights' label
         metadata = None
         if self.trace_out is not None:
             metadata = model_metadata(
@@ -258,6 +268,8 @@ class Server:
             metadata=self.trace_out is not None,
             timeline=timeline is not None,
             switch_interval_s=self.switch_interval_s,
+            weight_updates=self.enable_weight_updates,
+            weight_update_timeout_s=self.weight_update_timeout_s,
         )
         engine = RemoteEngine(spec, timeline)
         ready = engine.ready
@@ -337,6 +349,7 @@ class Server:
                 f"moetrace {__version__} serving {self.served_model_names[0]} at {url} "
                 f"(routed experts {'on' if self.return_routed_experts else 'off'}"
                 f"{', routed weights on request' if self.return_routed_weights else ''}"
+                f"{', weight updates on' if self.enable_weight_updates else ''}"
                 f"{f', trace {self.trace_out}' if self.trace_out else ''})",
                 file=sys.stderr,
                 flush=True,
@@ -350,8 +363,16 @@ class Server:
             loop.call_soon_threadsafe(setattr, server, "should_exit", True)
 
         remote = isinstance(engine, RemoteEngine)  # it keeps the timeline of its steps itself
+        control = None
+        if self.enable_weight_updates and not remote:
+            control = EngineControl(engine, timeout_s=self.weight_update_timeout_s)
         engine_loop = EngineLoop(
-            engine, loop, writer=writer, on_fatal=fatal, timeline=None if remote else timeline
+            engine,
+            loop,
+            writer=writer,
+            on_fatal=fatal,
+            timeline=None if remote else timeline,
+            control=control,
         )
         if remote:
             engine.has_news = engine_loop.has_news
@@ -369,6 +390,8 @@ class Server:
             eos_token_ids=tuple(eos),
             sampling_defaults=self.sampling_defaults,
             created=int(time.time()),
+            enable_weight_updates=self.enable_weight_updates,
+            dtype=self.dtype,
         )
         config.app = create_app(ctx)
         freeze_start_up_heap()
