@@ -62,6 +62,18 @@ def serve_command(
     uvicorn_log_level: str = typer.Option(
         "warning", "--uvicorn-log-level", help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}."
     ),
+    enable_weight_updates: bool = typer.Option(
+        False,
+        "--enable-weight-updates",
+        help="Serve an RL trainer's control routes: new weights from disk, a broadcast or "
+        "tensors, pause/continue, memory release (SGLang's and vLLM's paths; they let a "
+        "client replace the model, so they are off by default; docs/serving.md).",
+    ),
+    weight_update_timeout: float = typer.Option(
+        600.0,
+        "--weight-update-timeout",
+        help="Seconds to wait for a trainer joining the update group or for each broadcast.",
+    ),
     seed: int = opts.SEED,
     dtype: str = opts.DTYPE,
     device: str = opts.DEVICE,
@@ -113,6 +125,11 @@ def serve_command(
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
     check_supported(pipeline_parallel_size=pipeline_parallel_size, cpu_offload_gb=cpu_offload_gb)
+    if enable_weight_updates and (tensor_parallel_size or 1) > 1:
+        raise MoetraceError(
+            "--enable-weight-updates with --tensor-parallel-size above 1 is not supported yet: "
+            "the worker ranks would have to join the trainer's group too"
+        )
     parallel = parallel_or_worker(
         model,
         tensor_parallel_size=tensor_parallel_size,
@@ -158,6 +175,8 @@ def serve_command(
             extra_settings=parallel_settings(parallel),
             # Rank 0 of a tensor-parallel group is this process (the driver joined it).
             engine_in_process=not engine_process or parallel.enabled,
+            enable_weight_updates=enable_weight_updates,
+            weight_update_timeout_s=weight_update_timeout,
         )
         driver.start(worker_spec(server))
         try:

@@ -9,6 +9,7 @@ tensor from a safetensors checkpoint (cast to ``dtype``; random values for a
 name or shape it lacks, so a wrong update can be sent), one ``broadcast``
 each or packed into byte buffers as vLLM's packed transfer does;
 ``die_after`` kills it after that many broadcasts; ``{"exit": true}`` leaves.
+It runs gloo on the CPU, or NCCL with its tensors on a GPU of its own.
 
 ``Trainer`` drives such a process from a test.
 """
@@ -41,13 +42,16 @@ class Trainer:
         group: str = "weight_update_group",
         world_size: int = 2,
         timeout_s: float = 60.0,
+        backend: str = "gloo",
+        device: str = "cpu",
     ) -> None:
         self.port = free_port()
         self.group = group
         self.world_size = world_size
+        self.backend = backend
         self.proc = subprocess.Popen(
             [sys.executable, str(SCRIPT), str(self.port), str(world_size), group, str(checkpoint)]
-            + [str(timeout_s)],
+            + [str(timeout_s), backend, device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -55,7 +59,7 @@ class Trainer:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
 
-    def init_payload(self, rank_offset: int = 1, backend: str = "gloo") -> dict:
+    def init_payload(self, rank_offset: int = 1) -> dict:
         """SGLang's ``init_weights_update_group`` body for this group."""
         return {
             "master_address": "127.0.0.1",
@@ -63,7 +67,7 @@ class Trainer:
             "rank_offset": rank_offset,
             "world_size": self.world_size,
             "group_name": self.group,
-            "backend": backend,
+            "backend": self.backend,
         }
 
     def expect(self, word: str, timeout_s: float = 60.0) -> str:
@@ -106,7 +110,15 @@ def specs_of(tensors: dict, names: list[str] | None = None) -> list:
 # ------------------------------------------------------------------------ the process
 
 
-def _main(port: int, world_size: int, group: str, checkpoint: str, timeout_s: float) -> None:
+def _main(
+    port: int,
+    world_size: int,
+    group: str,
+    checkpoint: str,
+    timeout_s: float,
+    backend: str,
+    device_name: str,
+) -> None:
     from datetime import timedelta
 
     import torch
@@ -120,12 +132,15 @@ def _main(port: int, world_size: int, group: str, checkpoint: str, timeout_s: fl
         rendezvous,
     )
 
-    tensors = load_file(str(Path(checkpoint) / "model.safetensors"))
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tensors = load_file(str(Path(checkpoint) / "model.safetensors"), device=device_name)
     timeout = timedelta(seconds=timeout_s)
     store, rank, size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(
-        size, rank, [], Backend("gloo"), PrefixStore(group, store), group_name=group,
+        size, rank, [], Backend(backend), PrefixStore(group, store), group_name=group,
         timeout=timeout,
     )  # fmt: skip
     _world.pg_group_ranks[pg] = {i: i for i in range(size)}
@@ -142,7 +157,7 @@ def _main(port: int, world_size: int, group: str, checkpoint: str, timeout_s: fl
             if have is not None and list(have.shape) == shape:
                 out.append(have.to(dtype).contiguous())
             else:
-                out.append(torch.randn(shape, generator=generator).to(dtype))
+                out.append(torch.randn(shape, generator=generator).to(device=device, dtype=dtype))
         if command.get("packed"):
             out = _packed(out, command["packed"])
         for count, tensor in enumerate(out):
@@ -170,4 +185,5 @@ def _packed(tensors: list, buffer_bytes: int) -> list:
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5]))
+    port_, world_, group_, checkpoint_, timeout_, backend_, device_ = sys.argv[1:8]
+    _main(int(port_), int(world_), group_, checkpoint_, float(timeout_), backend_, device_)
