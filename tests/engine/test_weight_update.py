@@ -24,6 +24,8 @@ from support.checkpoints import (
     load_tensors,
     run,
 )
+from support.gpt_oss import mxfp4_twins
+from support.hf_reference import FAMILIES, make_tiny_checkpoint, perturb_routers
 
 from moetrace.engine.sampling import SamplingParams
 from moetrace.engine.weight_update import TensorSpec, WeightUpdateError, WeightUpdater, parse_dtype
@@ -177,3 +179,34 @@ def test_dtypes_read_as_trainers_write_them(name, dtype):
 def test_the_demo_checkpoint_is_the_served_one():
     """The twin check passes the shipped checkpoint itself (nothing differs)."""
     WeightUpdater(engine_for("demo").model).check_checkpoint(DEMO_DIR)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_takes_an_update_in_place(family, tmp_path):
+    """Each family's own loading code (fused q/k/v, stacked experts, MXFP4, MLA) takes a
+    checkpoint of changed routers in place: the result equals a fresh load of it."""
+    old = make_tiny_checkpoint(family, tmp_path / "old", seed=3)
+    new = perturb_routers(old, tmp_path / "new", scale=3.0, seed=1)
+    assert_updates_as_fresh(old, new)
+
+
+def assert_updates_as_fresh(old, new) -> None:
+    """An engine on ``old`` updated in place to ``new`` routes as one loaded from ``new``."""
+    prompts = {"a": list(range(5, 30)), "b": list(range(40, 52))}
+    engine = engine_for(str(old))
+    updater = WeightUpdater(engine.model)
+    updater.check_checkpoint(new)
+    updater.load_checkpoint(new, CPU)
+    engine.reset_prefix_cache()
+    assert_same_routing(run(engine, prompts), run(engine_for(str(new)), prompts))
+
+
+def test_mxfp4_experts_take_an_update_in_place(tmp_path):
+    _, quant = mxfp4_twins(tmp_path / "m")
+    tensors = load_tensors(quant)
+    new = tmp_path / "new"
+    new.mkdir()
+    save_file({k: v ^ 0x11 if k.endswith("_blocks") else v for k, v in tensors.items()},
+              str(new / "model.safetensors"))  # fmt: skip
+    (new / "config.json").write_text((quant / "config.json").read_text())
+    assert_updates_as_fresh(quant, new)
