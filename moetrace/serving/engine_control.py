@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
@@ -31,6 +30,7 @@ from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.memory_release import TAGS, WEIGHTS, MemoryRelease
 from moetrace.engine.weight_update import TensorSpec, WeightUpdater, parse_dtype
 from moetrace.errors import MoetraceError
+from moetrace.models.demo import model_dir
 from moetrace.serving.tensor_ipc import named_tensors
 from moetrace.trace.records import FinishedRequest
 
@@ -166,6 +166,10 @@ class ControlRefused(MoetraceError):
     """A control call the engine cannot carry out now; nothing changed."""
 
 
+class PartialUpdate(MoetraceError):
+    """Reading a checkpoint failed after its checks passed: some tensors were copied."""
+
+
 # ----------------------------------------------------------------------------- the engine side
 
 
@@ -198,9 +202,9 @@ class EngineControl:
         try:
             message = self._dispatch(call, finished)
             ok = True
-        except (MoetraceError, RuntimeError) as exc:
+        except (MoetraceError, RuntimeError, OSError, ValueError) as exc:
             ok, message = False, _one_line(exc)
-            if isinstance(call, UPDATES):
+            if isinstance(call, UPDATES) and not isinstance(exc, PartialUpdate):
                 message += (
                     f"; the weights are unchanged (version {self.state.weight_version!r} "
                     "still serves)"
@@ -226,6 +230,7 @@ class EngineControl:
         if isinstance(call, SetVersion):
             if call.abort_all:
                 finished += engine.abort(engine.request_ids)
+            finished += engine.drain()  # the step in flight keeps the label it ran under
             return self._set_version(call.version)
         if isinstance(call, JoinGroup):
             return self._join(call)
@@ -309,9 +314,15 @@ class EngineControl:
             finished += engine.abort(engine.request_ids)
         finished += engine.drain()  # the step in flight finishes with the old weights
         if isinstance(call, UpdateFromDisk):
-            path = Path(call.path).expanduser()
+            path = model_dir(call.path)  # a directory, a cached model id, or demo
             self.updater.check_checkpoint(path)
-            recapture = self.updater.load_checkpoint(path, engine.device)
+            try:
+                recapture = self.updater.load_checkpoint(path, engine.device)
+            except (MoetraceError, OSError, RuntimeError) as exc:
+                raise PartialUpdate(
+                    f"reading {path} failed after its checks passed ({_one_line(exc)}): the "
+                    "weights are partly from it; send the update again"
+                ) from None
             what = f"from {path}"
         elif isinstance(call, UpdateFromGroup):
             named = self._receive(call)

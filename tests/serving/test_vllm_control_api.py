@@ -238,3 +238,18 @@ def test_a_bad_transfer_is_an_error_and_the_server_serves_on(server, checkpoints
     gone = post(server, "/update_weights", {"weight_dir": "/nonexistent"})
     assert gone.status_code == 400 and "no such model directory" in gone.json()["error"]
     assert_tokens_route(server, recorded["v1"])
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"token_ids": [1, 2], "stream": True}, "stream"),
+        ({"token_ids": [1, 2], "sampling_params": {"max_token": 3}}, "sampling_params.max_token"),
+        ({"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 3}},
+         "sampling_params.routed_experts_prompt_start"),
+        ({"token_ids": []}, "token_ids"),
+    ],
+)  # fmt: skip
+def test_tokens_generate_names_a_bad_field(server, body, param):
+    answer = post(server, "/inference/v1/generate", body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text

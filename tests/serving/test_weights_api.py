@@ -40,6 +40,7 @@ from support.trainer import Trainer, specs_of
 
 from moetrace import open_trace
 from moetrace.models.demo import DEMO_DIR
+from moetrace.trace.verify import verify_trace
 
 MAX_NEW = 8
 PROBES = PROMPTS
@@ -118,7 +119,7 @@ def load_from_disk(srv: ServerProcess, path, version: str) -> None:
 
 def test_slime_disk_update_pause_flush_continue(server, checkpoints, recorded):
     """slime's disk transport: pause, flush (GET, retried until 200), update, continue."""
-    load_from_disk(server, checkpoints["demo"], "0")
+    load_from_disk(server, "demo", "0")  # MODEL as serve takes it: a directory, an id, demo
     assert_serves(server, recorded["demo"], "0")
     assert post(server, "/pause_generation", {}).json() == {
         "message": "Generation paused successfully.",
@@ -301,7 +302,8 @@ def test_a_broadcast_the_model_cannot_take_changes_nothing(server, checkpoints, 
     before = probe(server)
     trainer = Trainer(checkpoints["v2"], group=f"bad-{words[:4]}")
     try:
-        post(server, "/init_weights_update_group", trainer.init_payload())
+        joined = post(server, "/init_weights_update_group", trainer.init_payload())
+        assert joined.json()["success"], joined.text
         trainer.expect("joined")
         good = ["model.layers.2.mlp.gate.weight", "float32", [16, 128]]
         bucket = [good, bad]
@@ -338,7 +340,8 @@ def test_a_trainer_that_dies_or_never_sends_leaves_the_old_weights(server, check
     for how in ("dies", "silent"):
         trainer = Trainer(checkpoints["v2"])
         try:
-            post(server, "/init_weights_update_group", trainer.init_payload())
+            joined = post(server, "/init_weights_update_group", trainer.init_payload())
+            assert joined.json()["success"], joined.text
             trainer.expect("joined")
             thread, out = in_thread(lambda: post(server, "/update_weights_from_distributed", body))
             if how == "dies":
@@ -429,6 +432,7 @@ def test_in_process_engine_traces_which_weights_sampled_each_token(checkpoints, 
         assert spans[1]["end"] == len(choice["token_ids"]) == LONG
     finally:
         assert srv.stop() == 0, srv.stderr
+    assert verify_trace(trace).status == "ok"  # intact through the updates and the pause
     with open_trace(trace) as t:
         (record,) = list(t)
     assert record.extra["weight_versions"] == [[s["version"], s["start"], s["end"]] for s in spans]

@@ -2,8 +2,8 @@
 
 Run as a script it is rank 0 of a weight-update group: it hosts the TCP store
 and builds its group the way slime's ``init_process_group`` (a copy of
-torch's, as SGLang has it) does -- rendezvous, the store under a prefix named
-after the group, torch's process group helper -- then waits for JSON commands
+torch's, as SGLang has it) does -- the store, under a prefix named after the
+group, then torch's process group helper -- then waits for JSON commands
 on standard input: ``{"send": [[name, dtype, shape], ...]}`` broadcasts each
 tensor from a safetensors checkpoint (cast to ``dtype``; random values for a
 name or shape it lacks, so a wrong update can be sent), one ``broadcast``
@@ -58,6 +58,7 @@ class Trainer:
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
+        self.expect("listening")  # its store is up: the server's ranks may join now
 
     def init_payload(self, rank_offset: int = 1) -> dict:
         """SGLang's ``init_weights_update_group`` body for this group."""
@@ -124,12 +125,12 @@ def _main(
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
+    from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
         _new_process_group_helper,
         _world,
-        rendezvous,
     )
 
     device = torch.device(device_name)
@@ -137,13 +138,17 @@ def _main(
         torch.cuda.set_device(device)
     tensors = load_file(str(Path(checkpoint) / "model.safetensors"), device=device_name)
     timeout = timedelta(seconds=timeout_s)
-    store, rank, size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store first, saying so: the server's ranks may only come once it listens (the
+    # rendezvous slime runs does the same in one call, and waits for them inside).
+    store = TCPStore(
+        "127.0.0.1", port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    print("listening", flush=True)
     pg, _ = _new_process_group_helper(
-        size, rank, [], Backend(backend), PrefixStore(group, store), group_name=group,
+        world_size, 0, [], Backend(backend), PrefixStore(group, store), group_name=group,
         timeout=timeout,
     )  # fmt: skip
-    _world.pg_group_ranks[pg] = {i: i for i in range(size)}
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     print("joined", flush=True)
     generator = torch.Generator().manual_seed(0)
     for line in sys.stdin:
