@@ -230,7 +230,9 @@ class EngineLoop:
                     inbox = len(self._inbox)
                 self._take_inbox(events)
                 if self._stopping and (
-                    not engine.has_unfinished() or time.monotonic() >= self._deadline
+                    not engine.has_unfinished()
+                    or self.state.holds_requests  # paused: what runs would never finish
+                    or time.monotonic() >= self._deadline
                 ):
                     self._abort(list(self._live), events)
                     events += [(h, Failed("the server is shutting down", 503)) for h in self._held]
