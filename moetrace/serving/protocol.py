@@ -49,7 +49,7 @@ def validation_problem(exc: ValidationError, prefix: str = "") -> FieldProblem:
     return FieldProblem(path or None, f"{err['msg']}, got {shown}")
 
 
-def _refuse_unsupported(data: Any, defaults: dict[str, Any]) -> Any:
+def refuse_unsupported(data: Any, defaults: dict[str, Any]) -> Any:
     """Drop known-but-unsupported fields left at their default; refuse any other value."""
     if not isinstance(data, dict):
         return data
@@ -160,7 +160,7 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        data = _refuse_unsupported(data, _COMMON_UNSUPPORTED)
+        data = refuse_unsupported(data, _COMMON_UNSUPPORTED)
         if isinstance(data, dict) and data.get("max_tokens", 0) is None:
             data = {**data, "max_tokens": 16}  # vLLM: null means the default
         return data
@@ -206,7 +206,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _CHAT_UNSUPPORTED)
+        return refuse_unsupported(data, _CHAT_UNSUPPORTED)
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -266,7 +266,7 @@ class GenerateSampling(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _SGLANG_SAMPLING_UNSUPPORTED)
+        return refuse_unsupported(data, _SGLANG_SAMPLING_UNSUPPORTED)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -310,7 +310,7 @@ class GenerateRequest(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _GENERATE_UNSUPPORTED)
+        return refuse_unsupported(data, _GENERATE_UNSUPPORTED)
 
     @model_validator(mode="after")
     def _checks(self) -> GenerateRequest:

@@ -16,24 +16,9 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from moetrace.engine.memory_release import TAGS
-from moetrace.serving.protocol import FieldProblem, Strict
+from moetrace.serving.protocol import FieldProblem, Strict, refuse_unsupported
 
 SGLANG_GROUP = "weight_update_group"
-
-
-def _only_default(data: Any, defaults: dict[str, Any]) -> Any:
-    """Refuse fields whose other values moetrace does not implement (dropped at default)."""
-    if not isinstance(data, dict):
-        return data
-    out = dict(data)
-    for name, default in defaults.items():
-        if name in out:
-            value = out.pop(name)
-            if value is not None and value != default:
-                raise FieldProblem(
-                    name, f"not supported by moetrace serve (only {default!r}), got {value!r}"
-                )
-    return out
 
 
 def _load_format(value: str | None, where: str = "load_format") -> None:
@@ -57,7 +42,7 @@ class UpdateWeightFromDiskReqInput(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _only_default(data, {"is_async": False, "keep_pause": False, "manifest": None})
+        return refuse_unsupported(data, {"is_async": False, "keep_pause": False, "manifest": None})
 
     @model_validator(mode="after")
     def _checks(self) -> UpdateWeightFromDiskReqInput:
@@ -76,7 +61,7 @@ class InitWeightsUpdateGroupReqInput(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _only_default(data, {"pp_rank": 0})  # AReaL's, with pipeline parallelism
+        return refuse_unsupported(data, {"pp_rank": 0})  # AReaL's, with pipeline parallelism
 
 
 class DestroyWeightsUpdateGroupReqInput(Strict):

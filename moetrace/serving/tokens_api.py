@@ -33,7 +33,7 @@ from moetrace.serving.protocol import (
     INT64,
     FieldProblem,
     Strict,
-    _refuse_unsupported,
+    refuse_unsupported,
     validation_problem,
 )
 from moetrace.serving.responses import JSONBody, new_id, read_body, usage
@@ -79,7 +79,7 @@ class TokensSampling(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _SAMPLING_UNSUPPORTED)
+        return refuse_unsupported(data, _SAMPLING_UNSUPPORTED)
 
     @property
     def stop_strings(self) -> list[str]:
