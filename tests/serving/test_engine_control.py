@@ -27,9 +27,10 @@ from moetrace.serving.engine_control import (
 )
 
 
-def started(max_tokens: int = 30) -> EngineControl:
-    """An engine with two requests a few steps in."""
-    engine = engine_for("demo", enable_prefix_caching=True)
+def started(max_tokens: int = 30, *, async_scheduling: bool = False) -> EngineControl:
+    """An engine with two requests a few steps in (with asynchronous scheduling, as on CUDA:
+    a step is still in flight when the call comes)."""
+    engine = engine_for("demo", enable_prefix_caching=True, async_scheduling=async_scheduling)
     for rid, ids in PROMPTS.items():
         engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens))
     for _ in range(3):
@@ -37,8 +38,9 @@ def started(max_tokens: int = 30) -> EngineControl:
     return EngineControl(engine)
 
 
-def test_pause_abort_ends_every_request_with_what_it_computed():
-    control = started()
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pause_abort_ends_every_request_with_what_it_computed(async_scheduling):
+    control = started(async_scheduling=async_scheduling)
     result = control.handle(Pause("abort"))
     assert result.ok and result.state.paused == "abort"
     assert sorted(f.request_id for f in result.finished) == sorted(PROMPTS)
@@ -53,9 +55,10 @@ def test_pause_abort_ends_every_request_with_what_it_computed():
     assert control.blocks_steps
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mode", ["in_place", "keep", "retract"])
-def test_a_frozen_pause_keeps_its_requests_for_resume(mode):
-    control = started()
+def test_a_frozen_pause_keeps_its_requests_for_resume(mode, async_scheduling):
+    control = started(async_scheduling=async_scheduling)
     result = control.handle(Pause(mode))
     assert result.ok and result.finished == [] and control.blocks_steps
     assert sorted(control.engine.request_ids) == sorted(PROMPTS)
