@@ -63,6 +63,18 @@ def serve_command(
     uvicorn_log_level: str = typer.Option(
         "warning", "--uvicorn-log-level", help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}."
     ),
+    enable_weight_updates: bool = typer.Option(
+        False,
+        "--enable-weight-updates",
+        help="Serve an RL trainer's control routes: new weights from disk, a broadcast or "
+        "tensors, pause/continue, memory release (SGLang's and vLLM's paths; they let a "
+        "client replace the model, so they are off by default; docs/serving.md).",
+    ),
+    weight_update_timeout: float = typer.Option(
+        600.0,
+        "--weight-update-timeout",
+        help="Seconds to wait for a trainer joining the update group or for each broadcast.",
+    ),
     api_key: list[str] = typer.Option(
         None,
         "--api-key",
@@ -141,6 +153,11 @@ def serve_command(
         max_request_bytes=max_request_bytes,
     )
     engine.check()
+    if enable_weight_updates and (engine.tensor_parallel_size or 1) > 1:
+        raise MoetraceError(
+            "--enable-weight-updates with --tensor-parallel-size above 1 is not supported yet: "
+            "the worker ranks would have to join the trainer's group too"
+        )
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
@@ -167,6 +184,8 @@ def serve_command(
             limit_concurrency=limit_concurrency,
             header_timeout_s=header_timeout,
             body_timeout_s=body_timeout,
+            enable_weight_updates=enable_weight_updates,
+            weight_update_timeout_s=weight_update_timeout,
         )
         driver.start(worker_spec(server))
         try:

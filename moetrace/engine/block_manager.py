@@ -14,6 +14,7 @@ row left behind by an earlier owner of the block is recognised as stale.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -38,6 +39,9 @@ class BlockManager:
         self._block_key: dict[int, tuple[int, tuple]] = {}  # block -> (hash, Request.cache_key)
         self._cached: dict[int, int] = {}  # hash -> block
         self._hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
+        # Requests alive when the prefix cache was reset (new weights): their blocks hold KV of
+        # the old weights, so none of them is ever registered for reuse.
+        self._uncacheable: set[str] = set()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -114,7 +118,7 @@ class BlockManager:
         ``num_tokens`` counts tokens that are both known and computed (default:
         ``num_computed_tokens``).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.request_id in self._uncacheable:
             return
         known = request.num_computed_tokens if num_tokens is None else num_tokens
         num_full = known // self.block_size
@@ -137,6 +141,20 @@ class BlockManager:
     def forget(self, request: Request) -> None:
         """Drop per-request hash memo once the request is gone for good."""
         self._hashes.pop(request.request_id, None)
+        self._uncacheable.discard(request.request_id)
+
+    def reset_prefix_cache(self, live: Iterable[Request] = ()) -> int:
+        """Forget every cached block (their KV was computed under other weights); ``live``
+        requests keep their blocks but never offer them for reuse.  Returns the entries dropped."""
+        dropped = len(self._cached)
+        self._cached.clear()
+        self._block_key.clear()
+        self._uncacheable.update(r.request_id for r in live)
+        return dropped
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def check_no_leaks(self) -> None:
         """Every block is free and unreferenced (call when no request is live)."""

@@ -230,11 +230,13 @@ class LLMEngine:
         index: int = 0,
         samples: Sequence[int] | None = None,
         extra: dict | None = None,
+        cache_salt: str | None = None,
     ) -> list[Request]:
         """Queue a prompt; ``sampling.n`` > 1 queues that many samples of it (ids ``"i_<id>"``).
 
         ``samples``: only these sample indices (a resumed run redoes the missing ones).
         ``extra``: JSON-able facts about the request its finished record carries (``extra``).
+        ``cache_salt``: prefix-cache hits only among requests with the same salt (vLLM's).
         Returns the queued samples' ``Request``s, which show their tokens as steps complete.
         """
         if request_id in self._samples:
@@ -261,6 +263,7 @@ class LLMEngine:
                 sample_index=i,
                 parent_id=request_id,
                 stop_strings=self._stop_strings(prompt_token_ids, params),
+                cache_salt=cache_salt,
             )
             request.extra = dict(extra or {})
             self._requests[engine_id] = request
@@ -365,6 +368,37 @@ class LLMEngine:
         aborted = self.scheduler.abort(engine_ids)
         return finished + [self._finish(r) for r in aborted]
 
+    @property
+    def request_ids(self) -> list[str]:
+        """The prompts (parent ids) not finished yet, in arrival order."""
+        return list(self._samples)
+
+    def drain(self) -> list[FinishedRequest]:
+        """Complete the step in flight (asynchronous scheduling), so nothing runs on the device."""
+        return self._drain()
+
+    def retract(self) -> list[FinishedRequest]:
+        """Drain, then send every running request back to wait: its KV blocks are freed and
+        it recomputes its tokens when it runs again (the same tokens: sampling is seeded by
+        position).  Returns what the drained step finished."""
+        finished = self._drain()
+        self.stats.preemptions += len(self.scheduler.retract())
+        return finished
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix-cache entry (new weights: their KV is stale); the requests
+        alive keep their own blocks but never offer them for reuse.  Returns entries dropped."""
+        return self.block_manager.reset_prefix_cache(self._requests.values())
+
+    @property
+    def weight_version(self) -> str | None:
+        """The label of the weights the next step samples with (stamped on each token)."""
+        return self.scheduler.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str | None) -> None:
+        self.scheduler.weight_version = version
+
     # --------------------------------------------------------------- stepping
     def _before_free(self, request: Request) -> None:
         if self.routing_cache is not None:
@@ -453,6 +487,7 @@ class LLMEngine:
             prompt_logprobs=None if request.scoring is None else request.scoring.logprobs,
             queue_s=_since(request.arrival_time, request.first_scheduled_time),
             first_token_s=_since(request.arrival_time, request.first_token_time),
+            weight_versions=[list(span) for span in request.weight_versions],
         )
 
     def run(self) -> Iterator[FinishedRequest]:

@@ -137,18 +137,23 @@ class ModelRunner:
         # The plain-torch paths read host-side lengths and counts, which a graph would freeze.
         all_kernel = all(m.use_triton for m in model.modules() if hasattr(m, "use_triton"))
         # Tensor parallel runs eager: graphs with collectives inside are untested (docs/distributed.md).
-        if self.use_kernels and all_kernel and self.parallel is None:
-            self.graphs = StepGraphs(
-                model,
-                device,
-                config.max_num_batched_tokens,
-                config.max_num_seqs,
-                block_size=self.block_size,
-                scratch_block=self.scratch_block,
-                max_model_len=max_model_len,
-                max_graph_tokens=config.max_cudagraph_capture_size,
-                use_graphs=not config.enforce_eager,
-            )
+        self.padded_steps = self.use_kernels and all_kernel and self.parallel is None
+        if self.padded_steps:
+            self.graphs = self._new_graphs()
+
+    def _new_graphs(self) -> StepGraphs:
+        config = self.config
+        return StepGraphs(
+            self.model,
+            self.device,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            block_size=self.block_size,
+            scratch_block=self.scratch_block,
+            max_model_len=self.max_model_len,
+            max_graph_tokens=config.max_cudagraph_capture_size,
+            use_graphs=not config.enforce_eager,
+        )
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         # A slot is read only after it was written, so the CPU cache need not be
@@ -183,6 +188,32 @@ class ModelRunner:
         if self.graphs is not None:
             self.bind()
             self.graphs.capture()
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (they point at memory about to move); see ``recapture``."""
+        self.graphs = None
+
+    def recapture(self) -> None:
+        """Capture the step graphs anew: the weights or KV cache moved, or what a step
+        launches changed (an MXFP4 scale past the fast decoder's range)."""
+        if self.padded_steps:
+            self.graphs = None  # the old graphs and their memory pool go first
+            self.graphs = self._new_graphs()
+            self.capture_graphs()
+
+    def free_kv_cache(self) -> None:
+        """Let the KV cache's memory go: the layers are pointed at empty tensors."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for layer, caches in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+            layer.bind_kv_cache([empty] * len(caches))
+        self.kv_caches = []
+        self._binding = object()  # the next step binds the new cache
+
+    def allocate_kv_cache(self) -> None:
+        """A KV cache of the size the engine planned (after ``free_kv_cache``)."""
+        self._allocate_kv_cache(self.num_blocks + 1)
+        self._binding = object()
+        self.bind()
 
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()

@@ -81,6 +81,7 @@ class Request:
         parent_id: str | None = None,
         stop_strings: StopStringMatcher | None = None,
         scoring: Scoring | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
@@ -112,6 +113,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.extra: dict = {}  # what the caller attaches; the finished record carries it
+        # vLLM's cache_salt: prefix-cache hits only between requests with the same salt.
+        self.cache_salt = cache_salt
+        # [version, start, end): the output tokens each weight version sampled (vLLM's spans).
+        self.weight_versions: list[list] = []
 
     @property
     def num_tokens_to_compute(self) -> int:
@@ -133,7 +138,10 @@ class Request:
     def cache_key(self, start: int, stop: int) -> tuple:
         """What decides whether a cached block holds tokens ``start:stop`` of this request."""
         tokens = tuple(self.token_ids[start:stop])
-        return tokens if self.scoring is None else (tokens, self.scoring.cache_salt(start, stop))
+        key = tokens if self.scoring is None else (tokens, self.scoring.cache_salt(start, stop))
+        if self.cache_salt is not None and start == 0:  # the first block's hash salts the chain
+            key = (key, self.cache_salt)
+        return key
 
     @property
     def num_tokens(self) -> int:
@@ -161,11 +169,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int, logprobs: StepLogprobs | None = None) -> None:
-        """Add a sampled token; with its log-probabilities when the step has them for this request."""
+    def append_token(
+        self, token_id: int, logprobs: StepLogprobs | None = None, version: str | None = None
+    ) -> None:
+        """Add a sampled token; with its log-probabilities when the step has them for this
+        request, and the weight version that sampled it."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
+        if version is not None:
+            index = self.num_output_tokens - 1
+            last = self.weight_versions[-1] if self.weight_versions else None
+            if last is not None and last[0] == version and last[2] == index:
+                last[2] = index + 1
+            else:
+                self.weight_versions.append([version, index, index + 1])
         if logprobs is not None:
             row = logprobs.rows.get(self.request_id)
             if row is not None:

@@ -82,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.tokens_appended = 0  # sampled tokens kept (not those dropped after a request ended)
+        self.weight_version: str | None = None  # the weights' label, stamped on each new token
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -195,7 +196,7 @@ class Scheduler:
                 continue
             if item.samples:
                 rid = request.request_id
-                request.append_token(sampled[rid], logprobs)
+                request.append_token(sampled[rid], logprobs, self.weight_version)
                 self.tokens_appended += 1
             known = min(request.num_computed_tokens, request.num_tokens)
             self.block_manager.register_computed_blocks(request, known)
@@ -214,6 +215,14 @@ class Scheduler:
         scheduled with asynchronous scheduling, so the request's own count says nothing)."""
         end = item.num_computed_before + item.num_new_tokens
         return end >= item.request.num_tokens_to_compute
+
+    def retract(self) -> list[Request]:
+        """Send every running request back to the waiting queue, its blocks freed (call with
+        nothing in flight): it recomputes its tokens when it runs again."""
+        retracted = list(reversed(self.running))
+        for request in retracted:  # most recent first, so the oldest ends up first in line
+            self._preempt(request)
+        return retracted
 
     def abort(self, request_ids: set[str]) -> list[Request]:
         """Stop these requests now (call with nothing in flight); what they computed is kept."""

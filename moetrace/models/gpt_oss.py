@@ -44,7 +44,7 @@ from moetrace.models.common import (
     map_fused_attention,
     map_norms,
 )
-from moetrace.models.weights import WeightMap
+from moetrace.models.weights import WeightMap, check_kind
 
 RMS_EPS = 1e-5
 ROPE_THETA = 150000.0  # GptOssConfig's defaults, for configs that give no rope settings
@@ -210,15 +210,16 @@ class GptOssForCausalLM(DecoderLM):
         return set(self.weights.targets) | set(self.converters)
 
 
-def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if tuple(tensor.shape) != shape:
         raise ModelError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+    check_kind(name, tensor, dtype)
 
 
 def _gate_up_loader(experts: MoEExperts) -> Callable[[str, torch.Tensor], None]:
     def load(name: str, t: torch.Tensor) -> None:  # [E, H, 2I], gate/up interleaved
         e, rows, hidden = experts.w13.shape
-        _check(name, t, (e, hidden, rows))
+        _check(name, t, (e, hidden, rows), experts.w13.dtype)
         experts.w13.copy_(deinterleave(t.transpose(1, 2), dim=1))
 
     return load
@@ -227,7 +228,7 @@ def _gate_up_loader(experts: MoEExperts) -> Callable[[str, torch.Tensor], None]:
 def _down_loader(experts: MoEExperts) -> Callable[[str, torch.Tensor], None]:
     def load(name: str, t: torch.Tensor) -> None:  # [E, I, H]
         e, hidden, inter = experts.w2.shape
-        _check(name, t, (e, inter, hidden))
+        _check(name, t, (e, inter, hidden), experts.w2.dtype)
         experts.w2.copy_(t.transpose(1, 2))
 
     return load
@@ -235,7 +236,7 @@ def _down_loader(experts: MoEExperts) -> Callable[[str, torch.Tensor], None]:
 
 def _bias_loader(experts: MoEExperts) -> Callable[[str, torch.Tensor], None]:
     def load(name: str, t: torch.Tensor) -> None:  # [E, 2I], gate/up interleaved
-        _check(name, t, tuple(experts.b13.shape))
+        _check(name, t, tuple(experts.b13.shape), experts.b13.dtype)
         experts.b13.copy_(deinterleave(t, dim=1))
 
     return load
@@ -262,8 +263,8 @@ def _mxfp4_loader(
         del pending[f"{base}_blocks"], pending[f"{base}_scales"]
         e, rows, half_k = getattr(experts, name).shape
         groups = half_k // 16
-        _check(f"{base}_blocks", blocks, (e, rows, groups, 16))
-        _check(f"{base}_scales", scales, (e, rows, groups))
+        _check(f"{base}_blocks", blocks, (e, rows, groups, 16), getattr(experts, name).dtype)
+        _check(f"{base}_scales", scales, (e, rows, groups), getattr(experts, f"{name}_scale").dtype)
         experts.load_mxfp4(name, blocks.reshape(e, rows, groups * 16), scales)
 
     return load

@@ -28,6 +28,16 @@ class Target:
     narrow: tuple[int, int, int, int] | None = None
 
 
+def check_kind(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse a tensor whose values the copy would change in kind: integers into a
+    floating-point parameter or back, or one integer type into another."""
+    if tensor.is_floating_point() and dtype.is_floating_point:
+        return
+    if tensor.dtype != dtype:
+        expected = "a floating-point dtype" if dtype.is_floating_point else str(dtype)
+        raise ModelError(f"tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
+
+
 class WeightMap:
     def __init__(self, module: nn.Module) -> None:
         self._params = dict(module.named_parameters(remove_duplicate=False))
@@ -80,6 +90,7 @@ class WeightMap:
             raise ModelError(
                 f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}"
             )
+        check_kind(name, tensor, dest.dtype)
         with torch.no_grad():
             dest.copy_(tensor)
         return True

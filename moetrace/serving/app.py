@@ -24,7 +24,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moetrace.serving import openai_api, sglang_api
+from moetrace.serving import openai_api, sglang_api, tokens_api, vllm_control_api, weights_api
 from moetrace.serving.access import AccessGuard, AccessOptions
 from moetrace.serving.context import ServingContext
 from moetrace.serving.metrics import CONTENT_TYPE
@@ -107,10 +107,20 @@ def create_app(ctx: ServingContext, access: AccessOptions | None = None) -> Star
         body = ctx.metrics.render(ctx.loop.counts())
         return Response(body, media_type=CONTENT_TYPE)
 
+    # The routes that let a client replace the model or stop the engine: only when asked.
+    control = (
+        [*weights_api.CONTROL_ROUTES, *vllm_control_api.CONTROL_ROUTES]
+        if ctx.enable_weight_updates
+        else []
+    )
     app = Starlette(
         routes=[
             *openai_api.ROUTES,
             *sglang_api.ROUTES,
+            *tokens_api.ROUTES,
+            *weights_api.ROUTES,
+            *vllm_control_api.ROUTES,
+            *control,
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

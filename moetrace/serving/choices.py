@@ -22,6 +22,11 @@ from moetrace.serving.text import IncrementalText
 from moetrace.trace.records import FinishedRequest
 
 
+def weight_version_spans(done: FinishedRequest) -> list[dict]:
+    """vLLM's ``weight_versions``: output tokens ``start..end-1`` were sampled by ``version``."""
+    return [{"version": v, "start": start, "end": end} for v, start, end in done.weight_versions]
+
+
 @dataclass
 class EncodeClock:
     """Time spent encoding routed experts, summed over a response (for the benchmark)."""

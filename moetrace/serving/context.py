@@ -24,7 +24,13 @@ from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.metrics import ServerMetrics
 from moetrace.serving.protocol import FieldProblem
 from moetrace.serving.responses import Base64Text
-from moetrace.trace.wire import float32_base64, hidden_layer_rows, int32_base64, npy_base64
+from moetrace.trace.wire import (
+    float32_base64,
+    hidden_layer_rows,
+    int32_base64,
+    npy_base64,
+    raw_base64,
+)
 
 T = TypeVar("T")
 
@@ -76,6 +82,8 @@ class ServingContext:
     # (max_model_len tokens of the longest vocabulary entry): longer is refused untokenized.
     max_prompt_chars: int | None = None
     metrics: ServerMetrics | None = None
+    enable_weight_updates: bool = False  # the trainer's control routes exist
+    dtype: str = "auto"  # --dtype as given (SGLang's server info reports it)
 
     @property
     def model_name(self) -> str:
@@ -178,6 +186,17 @@ class ServingContext:
     def sglang_routed_experts(self, rows: np.ndarray, start: int) -> Base64Text:
         """SGLang's ``meta_info.routed_experts``: flat int32, rows from ``start`` on."""
         return Base64Text(int32_base64(self.vllm_rows(rows[start:])))
+
+    def packed_routed_experts(self, rows: np.ndarray, start: int) -> dict:
+        """prime-rl's ``routed_experts`` object: raw bytes of the rows from ``start`` on
+        (every hidden layer), with their shape, ``start`` and dtype."""
+        spread = self.vllm_rows(rows[start:])
+        return {
+            "data": Base64Text(raw_base64(spread)),
+            "shape": list(spread.shape),
+            "start": start,
+            "dtype": spread.dtype.name,
+        }
 
     def check_weights_asked(self, asked: bool) -> None:
         """Refuse a request for gate weights the engine does not capture."""

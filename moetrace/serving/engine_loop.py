@@ -14,6 +14,12 @@ three places only:
   disconnect or by shutdown) also goes to the trace writer, from the engine
   thread, as in ``record``.
 
+A trainer's control calls (``serving/engine_control.py``: pause, new weights,
+memory release) go through the same inbox and run between two steps; the
+requests a call ends are answered before the call itself.  While the engine
+is paused or has given up its memory, new requests are held here and added
+when it steps again.
+
 Why a thread: the model's kernels and the CUDA waits release the GIL, so the
 event loop parses, encodes and sends while the device works.
 """
@@ -33,6 +39,7 @@ from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.engine.request import Request
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import CapacityError
+from moetrace.serving.engine_control import ControlCall, ControlResult, EngineControl, EngineState
 from moetrace.serving.logprobs import TokenLogprobs, from_request
 from moetrace.serving.timeline import Timeline
 from moetrace.trace.diskspace import is_disk_full
@@ -79,6 +86,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stream: bool = False
+    cache_salt: str | None = None
 
 
 class RequestHandle:
@@ -132,6 +140,7 @@ class EngineLoop:
         on_fatal: Callable[[str], None] | None = None,
         timeline: Timeline | None = None,
         metrics: ServerMetrics | None = None,
+        control: EngineControl | None = None,
     ) -> None:
         self.engine = engine
         self.loop = loop
@@ -156,6 +165,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="moetrace-engine", daemon=True)
         # An engine in another process sends tokens only for the requests that stream.
         self._remote = getattr(engine, "takes_stream_flag", False)
+        self._control = control  # the engine here; a remote engine carries calls out itself
+        self.state = EngineState()  # as the last control call left it (read by handlers)
+        self._held: list[RequestHandle] = []  # arrived while the engine may not step
+        self.holding = False  # hold new requests (a pause that waits for the running ones)
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -187,6 +200,26 @@ class EngineLoop:
         if request_ids:
             self._inbox.append(("abort", list(request_ids)))
             self._wake.set()
+
+    def abort_rid(self, rid: str | None) -> None:
+        """SGLang's ``/abort_request``: the requests of ``rid`` (its samples too), or all."""
+        self._inbox.append(("abort_rid", rid))
+        self._wake.set()
+
+    def control(self, call: ControlCall) -> asyncio.Future[ControlResult]:
+        """Carry ``call`` out between two steps; resolves once the requests it ended
+        have been answered."""
+        future: asyncio.Future[ControlResult] = self.loop.create_future()
+        self._inbox.append(("control", (call, future)))
+        self._wake.set()
+        if self.fatal is not None:
+            self._fail_inbox()
+        return future
+
+    @property
+    def num_live(self) -> int:
+        """Requests in the engine (not those held)."""
+        return len(self._live)
 
     def has_news(self) -> bool:
         """Adds, aborts or a stop wait for the engine thread (a remote step returns for them)."""
@@ -235,12 +268,16 @@ class EngineLoop:
                     self.writer.raise_error()  # the writer died between submits: stop now
                 self._take_inbox(events)
                 if self._stopping and (
-                    not engine.has_unfinished() or time.monotonic() >= self._deadline
+                    not engine.has_unfinished()
+                    or self.state.holds_requests  # paused: what runs would never finish
+                    or time.monotonic() >= self._deadline
                 ):
                     self._abort(list(self._live), events)
+                    events += [(h, Failed("the server is shutting down", 503)) for h in self._held]
+                    self._held.clear()
                     self._deliver(events)
                     return
-                if not engine.has_unfinished():
+                if not engine.has_unfinished() or self.state.holds_requests:
                     self._deliver(events)
                     idle_start = time.monotonic()
                     self._wake.wait(0.05)
@@ -301,15 +338,50 @@ class EngineLoop:
             if kind == "add":
                 self.release([item.request_id])  # type: ignore[union-attr]
                 events.append((item, self._failure))  # type: ignore[arg-type]
+            elif kind == "control":
+                call, future = item  # type: ignore[misc]
+                result = ControlResult(False, self._failure.message, self.state)
+                self.loop.call_soon_threadsafe(_resolve, future, result)
+        events += [(h, self._failure) for h in self._held]
+        self._held.clear()
         self._deliver(events)
 
     def _take_inbox(self, events: list[tuple[RequestHandle, Event]]) -> None:
         while self._inbox:
             kind, item = self._inbox.popleft()
             if kind == "add":
-                events += self._add(item)  # type: ignore[arg-type]
-            else:
+                if self.state.holds_requests or self.holding:
+                    self._held.append(item)  # type: ignore[arg-type]
+                else:
+                    events += self._add(item)  # type: ignore[arg-type]
+            elif kind == "abort":
                 self._abort(item, events)  # type: ignore[arg-type]
+            elif kind == "abort_rid":
+                rid = item
+                self._abort(
+                    [r for r in self._live if rid is None or r == rid or r.startswith(f"{rid}-")],
+                    events,
+                )
+            else:
+                self._run_control(*item, events)  # type: ignore[misc]
+        if self._held and not (self.state.holds_requests or self.holding):
+            held, self._held = self._held, []
+            for handle in held:
+                events += self._add(handle)
+
+    def _run_control(
+        self, call: ControlCall, future: asyncio.Future, events: list[tuple[RequestHandle, Event]]
+    ) -> None:
+        """Carry a control call out here (or in the engine process); answer what it ended
+        first, then the call."""
+        if self._control is not None:
+            result = self._control.handle(call)
+        else:
+            result = self.engine.control(call)  # type: ignore[union-attr]
+        self.state = result.state
+        self._ended(result.finished, events)
+        self._deliver(events)
+        self.loop.call_soon_threadsafe(_resolve, future, result)
 
     def _add(self, handle: RequestHandle) -> list[tuple[RequestHandle, Event]]:
         req = handle.request
@@ -319,7 +391,7 @@ class EngineLoop:
         try:
             (request,) = self.engine.add_request(  # one sample: the server fans n out itself
                 req.request_id, req.prompt_token_ids, req.sampling, index=self._index,
-                **({"stream": req.stream} if self._remote else {}),
+                cache_salt=req.cache_salt, **({"stream": req.stream} if self._remote else {}),
             )  # fmt: skip
         except RequestRejected as exc:
             self.release([req.request_id])
@@ -335,6 +407,8 @@ class EngineLoop:
         return []
 
     def _abort(self, request_ids: list[str], events: list[tuple[RequestHandle, Event]]) -> None:
+        ids = set(request_ids)
+        self._held = [h for h in self._held if h.request_id not in ids]  # never started
         live = [rid for rid in request_ids if rid in self._live]
         if live:
             self._ended(self.engine.abort(live), events)
@@ -363,6 +437,8 @@ class EngineLoop:
         now = time.monotonic()
         for item in finished:
             if self.writer is not None:
+                if item.weight_versions:  # which weights sampled which tokens (docs/serving.md)
+                    item.extra = {**item.extra, "weight_versions": item.weight_versions}
                 self.writer.submit(item)
             else:
                 self.release([item.request_id])
@@ -402,3 +478,8 @@ class EngineLoop:
 def _put_all(events: list[tuple[RequestHandle, Event]]) -> None:
     for handle, event in events:
         handle.queue.put_nowait((handle.index, event))
+
+
+def _resolve(future: asyncio.Future, result: ControlResult) -> None:
+    if not future.done():
+        future.set_result(result)

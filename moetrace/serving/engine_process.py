@@ -33,6 +33,7 @@ from moetrace.engine.llm_engine import LLMEngine, RequestRejected
 from moetrace.engine.request import Request, TokenLogprob
 from moetrace.errors import CapacityError
 from moetrace.models.source import ModelSource
+from moetrace.serving.engine_control import DEFAULT_VERSION, ControlResult, EngineControl
 from moetrace.trace.metadata import TraceMetadata
 from moetrace.trace.records import FinishedRequest
 
@@ -51,6 +52,8 @@ class EngineSpec:
     metadata: bool  # the parent writes a trace: send its root attributes
     timeline: bool  # send each step's timings
     switch_interval_s: float
+    weight_updates: bool = False  # take a trainer's control calls (engine_control.py)
+    weight_update_timeout_s: float = 600.0
 
 
 @dataclass
@@ -101,6 +104,14 @@ class Aborted:
 
 
 @dataclass
+class ControlDone:
+    """The answer to a control call, and the counts after it."""
+
+    result: ControlResult
+    counts: Counts
+
+
+@dataclass
 class EngineFailed:
     """The engine raised (at load or in a step): one line; the child then exits."""
 
@@ -134,7 +145,10 @@ def child_main(spec: EngineSpec, commands: Connection, results: Connection, pare
     sender.put(ready)
     freeze_start_up_heap()
     try:
-        _StepLoop(engine, commands, sender, spec.timeline).run()
+        control = None
+        if spec.weight_updates:
+            control = EngineControl(engine, timeout_s=spec.weight_update_timeout_s)
+        _StepLoop(engine, commands, sender, spec.timeline, control).run()
     except BaseException as exc:
         sender.put(EngineFailed(_one_line(exc)))
     sender.close()
@@ -152,6 +166,7 @@ def _build(spec: EngineSpec) -> tuple[LLMEngine, Ready]:
     run = _Run(spec, torch.device(spec.device), load_tokenizer(spec.model))
     loaded = load_engine(run)
     engine = loaded.engine
+    engine.weight_version = DEFAULT_VERSION  # each token is stamped with its weights' label
     model = loaded.loaded.model
     metadata = None
     if spec.metadata:
@@ -226,9 +241,15 @@ class _StepLoop:
     """``record``'s loop, driven by the parent's commands: adds and aborts between steps."""
 
     def __init__(
-        self, engine: LLMEngine, commands: Connection, sender: _Sender, timeline: bool
+        self,
+        engine: LLMEngine,
+        commands: Connection,
+        sender: _Sender,
+        timeline: bool,
+        control: EngineControl | None = None,
     ) -> None:
         self.engine = engine
+        self.control = control
         self.commands = commands
         self.sender = sender
         self.timeline = timeline
@@ -240,7 +261,7 @@ class _StepLoop:
         idle: list[tuple[float, float]] = []
         while True:
             loop_start, loop_cpu = time.monotonic(), time.thread_time()
-            if not engine.has_unfinished():
+            if not self._may_step():
                 idle_start = time.monotonic()
                 if not self._wait_for_command():
                     return
@@ -249,7 +270,7 @@ class _StepLoop:
             taken = self._take_commands()
             if taken is None:
                 return
-            if not engine.has_unfinished():
+            if not self._may_step():
                 continue
             counts = self._counts() if self.timeline else None
             step_start, step_cpu = time.monotonic(), time.thread_time()
@@ -275,6 +296,11 @@ class _StepLoop:
                 )
             self.sender.put(done)
 
+    def _may_step(self) -> bool:
+        """Requests to run, and no pause or memory release holding them."""
+        held = self.control is not None and self.control.blocks_steps
+        return self.engine.has_unfinished() and not held
+
     def _wait_for_command(self) -> bool:
         try:
             return self.commands.poll(None)
@@ -294,15 +320,25 @@ class _StepLoop:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            _, request_id, prompt, sampling, index, stream = command
+            _, request_id, prompt, sampling, index, stream, cache_salt = command
             try:
-                (request,) = self.engine.add_request(request_id, prompt, sampling, index=index)
+                (request,) = self.engine.add_request(
+                    request_id, prompt, sampling, index=index, cache_salt=cache_salt
+                )
             except (RequestRejected, CapacityError) as exc:
                 self.sender.put(Refused(request_id, _one_line(exc)))
                 return
             if stream:
                 self.streaming[request_id] = request
                 self.sent[request_id] = 0
+        elif command[0] == "control":
+            if self.control is None:
+                raise RuntimeError("a control call reached an engine started without them")
+            result = self.control.handle(command[1])
+            for item in result.finished:
+                self.streaming.pop(item.request_id, None)
+                self.sent.pop(item.request_id, None)
+            self.sender.put(ControlDone(result, self._counts()))
         else:  # ("abort", ids)
             finished = self.engine.abort(command[1])
             for item in finished:

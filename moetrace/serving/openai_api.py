@@ -21,7 +21,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from moetrace.serving.choices import Choice, EncodeClock
+from moetrace.serving.choices import Choice, EncodeClock, weight_version_spans
 from moetrace.serving.context import ServingContext
 from moetrace.serving.engine_loop import EngineRequest, Finished
 from moetrace.serving.generation import ClientGone, generate_all, stream_events
@@ -111,10 +111,10 @@ def _plan(
         where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
         limit = max_tokens if max_tokens is not None else ctx.default_max_tokens(len(ids))
         ctx.check_prompt(ids, limit, "messages" if prefix == "chatcmpl" else where)
-        if req.routed_experts_prompt_start >= len(ids):
+        if req.routed_experts_prompt_start > len(ids):  # vLLM: 0 <= start <= prompt_len
             raise FieldProblem(
                 "routed_experts_prompt_start",
-                f"must be smaller than the prompt's {len(ids)} tokens, got "
+                f"must be at most the prompt's {len(ids)} tokens, got "
                 f"{req.routed_experts_prompt_start}",
             )
         for j in range(req.n):
@@ -140,7 +140,13 @@ def _plan(
                 }
             )
             requests.append(
-                EngineRequest(f"{response_id}-{p}-{j}", ids, params, stream=bool(req.stream))
+                EngineRequest(
+                    f"{response_id}-{p}-{j}",
+                    ids,
+                    params,
+                    stream=bool(req.stream),
+                    cache_salt=req.cache_salt,
+                )
             )
             choices.append(Choice(ctx, ids, params))
     ctx.claim([r.request_id for r in requests], "request_id")
@@ -152,10 +158,14 @@ def _ctx(http: HttpRequest) -> ServingContext:
 
 
 def _routed_weights(req, choice: Choice, done, clock: EncodeClock) -> dict:
-    """The choice's ``routed_weights`` entry when the request asked for it, else nothing."""
-    if not req.return_routed_weights:
-        return {}
-    return choice.routed_weights(done, req.routed_experts_prompt_start, clock)
+    """The choice's ``routed_weights`` entry when the request asked for it, else nothing;
+    likewise ``weight_versions`` (vLLM's spans)."""
+    out = {}
+    if req.return_routed_weights:
+        out.update(choice.routed_weights(done, req.routed_experts_prompt_start, clock))
+    if req.return_weight_versions:
+        out["weight_versions"] = weight_version_spans(done)
+    return out
 
 
 def _completion_lp(ctx: ServingContext, token_ids, lps, offset: int = 0) -> dict | None:

@@ -134,7 +134,7 @@ TokenIds = Annotated[list[int], BeforeValidator(_token_ids)]
 RequestId = Annotated[str, AfterValidator(request_id_value)]
 
 
-def _refuse_unsupported(data: Any, defaults: dict[str, Any]) -> Any:
+def refuse_unsupported(data: Any, defaults: dict[str, Any]) -> Any:
     """Drop known-but-unsupported fields left at their default; refuse any other value."""
     if not isinstance(data, dict):
         return data
@@ -180,7 +180,6 @@ _COMMON_UNSUPPORTED: dict[str, Any] = {
     "response_format": None,
     "structured_outputs": None,
     "priority": 0,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "ec_transfer_params": None,
     "vllm_xargs": None,
@@ -221,6 +220,10 @@ class SamplingFields(Strict):
     routed_experts_prompt_start: int = Field(0, ge=0)
     # moetrace's: each choice's gate weights beside its routed experts (docs/serving.md).
     return_routed_weights: bool = False
+    # vLLM's: prefix-cache hits only among requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: per choice, which weight version sampled which output tokens.
+    return_weight_versions: bool = False
 
     @property
     def stop_strings(self) -> list[str]:
@@ -244,7 +247,7 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        data = _refuse_unsupported(data, _COMMON_UNSUPPORTED)
+        data = refuse_unsupported(data, _COMMON_UNSUPPORTED)
         if isinstance(data, dict) and data.get("max_tokens", 0) is None:
             data = {**data, "max_tokens": 16}  # vLLM: null means the default
         return data
@@ -296,7 +299,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _CHAT_UNSUPPORTED)
+        return refuse_unsupported(data, _CHAT_UNSUPPORTED)
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -362,7 +365,7 @@ class GenerateSampling(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _SGLANG_SAMPLING_UNSUPPORTED)
+        return refuse_unsupported(data, _SGLANG_SAMPLING_UNSUPPORTED)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -406,7 +409,7 @@ class GenerateRequest(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, _GENERATE_UNSUPPORTED)
+        return refuse_unsupported(data, _GENERATE_UNSUPPORTED)
 
     @model_validator(mode="after")
     def _checks(self) -> GenerateRequest:

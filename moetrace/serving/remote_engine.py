@@ -12,6 +12,7 @@ own):
   the loop has adds or aborts to forward, so an arrival never waits a step;
 - ``abort`` asks the child and waits for its answer: the aborted requests,
   plus any that steps already reported finished, as ``LLMEngine.abort``;
+  ``control`` (a trainer's pause, weight update, ...) likewise;
 - counts for /metrics are those of the child's last message.
 
 The child's death (out of memory, a crash, a kill) is noticed at the next
@@ -35,9 +36,11 @@ from moetrace.engine.llm_engine import RequestRejected, refuse_request
 from moetrace.engine.request import TokenLogprob
 from moetrace.engine.sampling import SamplingParams
 from moetrace.errors import MoetraceError
+from moetrace.serving.engine_control import ControlCall, ControlResult
 from moetrace.serving.engine_process import (
     SIGNALS,
     Aborted,
+    ControlDone,
     Counts,
     EngineFailed,
     EngineSpec,
@@ -176,12 +179,14 @@ class RemoteEngine:
         *,
         index: int = 0,
         stream: bool = False,
+        cache_salt: str | None = None,
     ) -> list[RemoteRequest]:
         if request_id in self._pending:
             raise RequestRejected("id", f"duplicate request id {request_id!r}")
         self.check_request(prompt_token_ids, sampling)
         request = RemoteRequest(request_id, sampling)
-        self._send(("add", request_id, list(prompt_token_ids), sampling, index, stream))
+        command = ("add", request_id, list(prompt_token_ids), sampling, index, stream, cache_salt)
+        self._send(command)
         self._pending[request_id] = request if stream else None
         if self.timeline is not None:
             self.timeline.arrivals.append(time.monotonic())
@@ -198,6 +203,22 @@ class RemoteEngine:
             if isinstance(message, Aborted):
                 self._counts = message.counts
                 return finished + self._ended(message.finished)
+            if isinstance(message, StepDone):
+                finished += self._apply(message)
+                self._uncounted += 1
+
+    def control(self, call: ControlCall) -> ControlResult:
+        """A control call, carried out by the engine process between its steps; the
+        requests that steps finished meanwhile come back with those the call ended."""
+        self._send(("control", call))
+        finished: list[FinishedRequest] = []
+        while True:
+            message = self._receive(None)
+            if isinstance(message, ControlDone):
+                self._counts = message.counts
+                result = message.result
+                result.finished = finished + self._ended(result.finished)
+                return result
             if isinstance(message, StepDone):
                 finished += self._apply(message)
                 self._uncounted += 1

@@ -116,12 +116,17 @@ def now() -> int:
 PARSE_IN_THREAD_BYTES = 1 << 20
 
 
-async def read_body(http: HttpRequest, model: type[BaseModel]) -> Any:
+async def read_body(
+    http: HttpRequest, model: type[BaseModel], *, empty_is_object: bool = False
+) -> Any:
     """The request body as ``model``; malformed JSON and bad fields become ``FieldProblem``.
 
     The body's size was bounded before it was read (``access.AccessGuard``).
+    ``empty_is_object``: no body reads as ``{}`` (control calls trainers post bare).
     """
     raw = await http.body()
+    if empty_is_object and not raw.strip():
+        raw = b"{}"
     if len(raw) > PARSE_IN_THREAD_BYTES:
         data = await asyncio.to_thread(parse_json, raw)
     else:

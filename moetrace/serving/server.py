@@ -38,6 +38,7 @@ from moetrace.runs.setup import (
 from moetrace.serving.access import AccessOptions, is_loopback
 from moetrace.serving.app import create_app
 from moetrace.serving.context import ModelFacts, ServingContext, generation_defaults
+from moetrace.serving.engine_control import DEFAULT_VERSION, EngineControl
 from moetrace.serving.engine_loop import EngineLoop
 from moetrace.serving.engine_process import EngineSpec
 from moetrace.serving.http_limits import (
@@ -153,6 +154,8 @@ class Server:
         limit_concurrency: int | None = None,
         header_timeout_s: float = 10.0,
         body_timeout_s: float = 60.0,
+        enable_weight_updates: bool = False,
+        weight_update_timeout_s: float = 600.0,
     ) -> None:
         engine = dataclasses.replace(run.engine)  # capture is set below, for this server
         engine.validate()
@@ -174,6 +177,12 @@ class Server:
         self.max_sequences_per_request = max_sequences_per_request
         self.limit_concurrency = limit_concurrency
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        if not weight_update_timeout_s > 0:
+            raise MoetraceError(
+                f"--weight-update-timeout must be > 0 seconds, got {weight_update_timeout_s:g}"
+            )
+        self.enable_weight_updates = enable_weight_updates
+        self.weight_update_timeout_s = weight_update_timeout_s
         self.switch_interval_s = switch_interval_s()
         self.model = run.model
         self.device = resolve_device(run.device)
@@ -255,6 +264,7 @@ class Server:
         """The engine in this process (``--engine-in-process``, tensor parallelism)."""
         ready = load_engine(self)
         loaded, engine = ready.loaded, ready.engine
+        engine.weight_version = DEFAULT_VERSION  # each token is stamped with its weights' label
         metadata = None
         if self.trace_out is not None:
             metadata = model_metadata(self.model, engine, self.tokenizer, {})
@@ -280,6 +290,8 @@ class Server:
             metadata=self.trace_out is not None,
             timeline=timeline is not None,
             switch_interval_s=self.switch_interval_s,
+            weight_updates=self.enable_weight_updates,
+            weight_update_timeout_s=self.weight_update_timeout_s,
         )
         engine = RemoteEngine(spec, timeline)
         ready = engine.ready
@@ -372,6 +384,7 @@ class Server:
                 f"moetrace {__version__} serving {self.served_model_names[0]} at {url} "
                 f"(routed experts {'on' if self.return_routed_experts else 'off'}"
                 f"{', routed weights on request' if self.return_routed_weights else ''}"
+                f"{', weight updates on' if self.enable_weight_updates else ''}"
                 f"{f', trace {self.trace_out}' if self.trace_out else ''})",
                 file=sys.stderr,
                 flush=True,
@@ -387,6 +400,9 @@ class Server:
             loop.call_soon_threadsafe(setattr, server, "should_exit", True)
 
         remote = isinstance(engine, RemoteEngine)  # it keeps the timeline of its steps itself
+        control = None
+        if self.enable_weight_updates and not remote:
+            control = EngineControl(engine, timeout_s=self.weight_update_timeout_s)
         engine_loop = EngineLoop(
             engine,
             loop,
@@ -394,6 +410,7 @@ class Server:
             on_fatal=fatal,
             timeline=None if remote else timeline,
             metrics=metrics,
+            control=control,
         )
         if remote:
             engine.has_news = engine_loop.has_news
@@ -414,6 +431,8 @@ class Server:
             max_sequences_per_request=self.max_sequences_per_request,
             max_prompt_chars=self._max_prompt_chars(engine.max_model_len),
             metrics=metrics,
+            enable_weight_updates=self.enable_weight_updates,
+            dtype=self.dtype,
         )
         config.app = create_app(ctx, self.access)
         freeze_start_up_heap()

@@ -56,8 +56,9 @@ def _rids(req: GenerateRequest, count: int) -> list[str]:
 def _finish_reason(done: FinishedRequest, choice: Choice, max_new: int) -> dict[str, Any]:
     if done.finish_reason == "length":
         return {"type": "length", "length": max_new}
-    if done.finish_reason == "abort":
-        return {"type": "abort", "message": "aborted"}
+    if done.finish_reason == "abort":  # SGLang's words for one aborted before its first token
+        message = "Abort before prefill" if done.output_len == 0 else "Aborted"
+        return {"type": "abort", "message": message}
     matched = done.stop_reason  # a stop string, or a stop token id
     if matched is None and choice.stopped_by_token(done):
         matched = int(done.output_token_ids[-1])  # EOS
@@ -154,11 +155,18 @@ def _output(
         "completion_tokens": done.output_len,
         "cached_tokens": done.num_cached_tokens,
         "e2e_latency": time.perf_counter() - start,
+        # The weights that sampled the last token (the server's, before any token).
+        "weight_version": (
+            done.weight_versions[-1][0] if done.weight_versions else ctx.loop.state.weight_version
+        ),
     }
     if req.return_logprob:
         lps = choice.logprobs(done, 0) or []
         meta.update(sglang_logprobs(done.output_token_ids.tolist(), lps, req.top_logprobs_num))
-    if req.return_routed_experts and ctx.return_routed_experts:  # else left out, as SGLang
+    # A request aborted before its prefill completed has rows for part of its prompt only;
+    # clients reshape to prompt + output - 1 rows, so it gets none.
+    whole = done.num_rows == done.prompt_len + done.output_len - 1
+    if req.return_routed_experts and ctx.return_routed_experts and whole:  # else left out
         t0 = time.perf_counter()
         meta["routed_experts"] = ctx.sglang_routed_experts(
             done.routed_experts, req.routed_experts_start_len

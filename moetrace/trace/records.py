@@ -98,6 +98,9 @@ class FinishedRequest:
     # sampled token (None if it never got one): the server's /metrics.
     queue_s: float | None = None
     first_token_s: float | None = None
+    # [version, start, end): the weight version that sampled output tokens start..end-1
+    # (moetrace serve; a served trace keeps them in ``extra["weight_versions"]``).
+    weight_versions: list = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:

@@ -58,3 +58,8 @@ def hidden_layer_rows(
     out = np.zeros((n, num_hidden_layers, top_k), dtype=rows.dtype)
     out[:, list(moe_layer_indices)] = rows
     return out
+
+
+def raw_base64(array: np.ndarray) -> str:
+    """Base64 of ``array``'s bytes in C order, as stored (prime-rl's ``routed_experts.data``)."""
+    return pybase64.b64encode(np.ascontiguousarray(array).data).decode("ascii")

@@ -124,14 +124,43 @@ def test_prompt_start_omits_the_rows_a_client_has(client, recorded):
     )
     rows = vllm_decode(out.model_dump()["choices"][0]["routed_experts"])
     np.testing.assert_array_equal(moe_layers(rows), want["rows"][5:])
+    # vLLM 0.33 takes 0 <= start <= prompt_len: at the prompt's length, the output's rows only.
+    at_end = client.completions.create(
+        model="demo",
+        prompt=PROMPTS["plain"],
+        **greedy(),
+        extra_body={"routed_experts_prompt_start": len(want["prompt"])},
+    )
+    rows = vllm_decode(at_end.model_dump()["choices"][0]["routed_experts"])
+    np.testing.assert_array_equal(moe_layers(rows), want["rows"][len(want["prompt"]) :])
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(
             model="demo",
             prompt=PROMPTS["plain"],
             **greedy(),
-            extra_body={"routed_experts_prompt_start": len(want["prompt"])},
+            extra_body={"routed_experts_prompt_start": len(want["prompt"]) + 1},
         )
     assert err.value.body["param"] == "routed_experts_prompt_start"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/update_weights_from_disk"),
+        ("POST", "/init_weights_update_group"),
+        ("POST", "/pause_generation"),
+        ("GET", "/flush_cache"),
+        ("POST", "/release_memory_occupation"),
+        ("POST", "/pause"),
+        ("POST", "/update_weights"),
+        ("POST", "/sleep"),
+    ],
+)
+def test_control_routes_exist_only_with_enable_weight_updates(server, method, path):
+    answer = httpx.request(method, server.url + path, json={}, timeout=30)
+    assert answer.status_code == 404, answer.text
+    version = httpx.get(server.url + "/get_weight_version", timeout=30)
+    assert version.json() == {"weight_version": "default"}
 
 
 def test_stream_ends_with_the_routed_experts(client):

@@ -105,18 +105,24 @@ class ServerProcess:
 
 
 def record_demo(
-    tmp: Path, lines: list[dict], max_tokens: int, device: str = "cpu", *extra: str
+    tmp: Path,
+    lines: list[dict],
+    max_tokens: int,
+    device: str = "cpu",
+    *extra: str,
+    model: str = "demo",
 ) -> dict[str, dict]:
-    """What ``moetrace record`` writes for ``lines`` (greedy): id -> tokens and rows."""
+    """What ``moetrace record`` of MODEL writes for ``lines`` (greedy): id -> tokens and rows."""
     import json
 
     from moetrace import open_trace
 
+    tmp.mkdir(parents=True, exist_ok=True)
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp / "record.h5"
     proc = subprocess.run(
-        [sys.executable, "-m", "moetrace", "record", "demo", str(prompts), "-o", str(out)]
+        [sys.executable, "-m", "moetrace", "record", model, str(prompts), "-o", str(out)]
         + ["--max-tokens", str(max_tokens), "--quiet", "--device", device, *extra],
         capture_output=True,
         text=True,
@@ -132,6 +138,50 @@ def record_demo(
             }
             for r in trace
         }
+
+
+def record_models(
+    tmp: Path, models: dict[str, str], lines: list[dict], max_tokens: int
+) -> dict[str, dict[str, dict]]:
+    """``record_demo`` of several models at once (each in its own process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(models)) as pool:
+        runs = {
+            key: pool.submit(record_demo, tmp / key, lines, max_tokens, model=model)
+            for key, model in models.items()
+        }
+        return {key: run.result() for key, run in runs.items()}
+
+
+def record_probes(
+    tmp: Path, checkpoints: dict, probes: dict[str, list[int]], max_tokens: int
+) -> dict[str, dict[str, dict]]:
+    """``record`` (greedy) of each checkpoint over the probe prompts: key -> id -> result."""
+    lines = [{"id": r, "prompt_token_ids": ids, "temperature": 0} for r, ids in probes.items()]
+    models = {key: str(path) for key, path in checkpoints.items()}
+    return record_models(tmp, models, lines, max_tokens)
+
+
+def in_thread(target) -> tuple[threading.Thread, dict]:
+    """Run ``target`` (a blocking HTTP call) in a thread; its result lands in ``out["answer"]``."""
+    out: dict = {}
+
+    def work() -> None:
+        out["answer"] = target()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread, out
+
+
+def wait_running(srv: ServerProcess, timeout_s: float = 60.0) -> None:
+    """Until a request runs (and a little longer, so it has sampled some tokens)."""
+    deadline = time.monotonic() + timeout_s
+    while srv.metrics()["num_requests_running"] < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+    time.sleep(0.1)
 
 
 def descendants(pid: int) -> list[int]:
