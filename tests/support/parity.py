@@ -147,7 +147,13 @@ def assert_shape_parity(
 
 
 def record_dummy_trace(
-    checkpoint: Path, tmp_path: Path, lines: list[dict], *, max_tokens: int = 2, **options
+    checkpoint: Path,
+    tmp_path: Path,
+    lines: list[dict],
+    *,
+    max_tokens: int = 2,
+    dtype: str = "auto",
+    **options,
 ) -> Path:
     """Record ``lines`` through the real recording path on dummy weights; returns the trace."""
     import json
@@ -163,6 +169,7 @@ def record_dummy_trace(
             str(checkpoint),
             engine=EngineConfig(num_kv_blocks=16, block_size=4),
             device="cpu",
+            dtype=dtype,
             load_format="dummy",
         ),
         str(prompts),
