@@ -219,8 +219,8 @@ def variants_key(hf_config: dict, dtype, config, max_model_len: int, capability)
 
 
 def _moetrace_environment() -> dict[str, object]:
-    """moetrace's own environment settings, as parsed: some are kernel switches
-    (``MOETRACE_SINK_*``, ``MOETRACE_MXFP4_LAYOUT``) that change the variants launched."""
+    """moetrace's own environment settings, as parsed: some are kernel switches (the
+    attention sinks' variants, the MXFP4 layout) that change the variants launched."""
     from moetrace import envs
 
     return {name: envs.get(name) for name in envs.ENVIRONMENT}

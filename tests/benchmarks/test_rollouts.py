@@ -59,6 +59,11 @@ def test_rebuilt_steps_reach_the_experts_the_engine_captured() -> None:
     assert sorted(f.output_len for f in run.finished) == sorted(output_lens)
 
 
+def test_importing_the_benchmark_left_sys_path_alone() -> None:
+    # benchmarks/kernels.py on the path would shadow the Hugging Face kernels package.
+    assert str(BENCHMARKS) not in sys.path
+
+
 def test_tail_starts_when_the_share_has_finished() -> None:
     finished_at = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 20.0])
     tail = rollouts.tail(finished_at, 25.0, share=0.8)
