@@ -4,7 +4,16 @@ Runs the real command line twice in fresh processes on the same job (dummy
 weights of a real config's shape, token-id prompts, EOS ignored): the first
 with an empty Triton cache, as on a machine that never ran moetrace, the
 second with the cache the first one left.  Reports each run's wall time
-(process start to exit), its start-up and its output tok/s, and the ratio.
+(process start to exit), its start-up and its output tok/s, the ratio, and what
+each run added to the cache.
+
+Everything a run keeps on disk lives under ``TRITON_CACHE_DIR``: Triton's compiled
+kernels and their C launchers, a folder each, filed under Triton's hash of the
+kernel's source and of every jit function it calls, its compile-time constants,
+options, Triton's version and the GPU; and beside them, in ``moetrace-variants/``,
+moetrace's list of the variants a run's step sizes launch
+(``moetrace/engine/precompile.py``'s ``variants_key``).  A second run that adds
+entries compiled something the first did not leave behind.
 
     python benchmarks/first_run.py --config olmoe-1b-7b --num-prompts 2048
 """
@@ -25,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import workloads  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
+VARIANT_LISTS = "moetrace-variants"  # moetrace's folder inside Triton's cache
 
 
 def write_job(tmp: Path, args: argparse.Namespace) -> tuple[Path, Path]:
@@ -61,6 +71,18 @@ def record(model: Path, prompts: Path, out: Path, cache: Path, extra: list[str])
     }
 
 
+def cache_inventory(cache: Path) -> dict:
+    """Triton's entries (compiled kernels and launchers, a folder each), every file's
+    bytes, and moetrace's variant lists, in the cache folder ``cache``."""
+    if not cache.is_dir():
+        return {"entries": 0, "bytes": 0, "variant_lists": 0}
+    return {
+        "entries": sum(1 for p in cache.iterdir() if p.is_dir() and p.name != VARIANT_LISTS),
+        "bytes": sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()),
+        "variant_lists": len(list((cache / VARIANT_LISTS).glob("*.json"))),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="olmoe-1b-7b")
@@ -73,12 +95,19 @@ def main() -> None:
         model, prompts = write_job(tmp, args)
         cache = tmp / "triton-cache"
         runs = {}
+        before = cache_inventory(cache)
         for name in ("first", "second"):
             runs[name] = record(model, prompts, tmp / f"{name}.h5", cache, args.record_args)
             r = runs[name]
+            r["cache"] = cache_inventory(cache)
+            added = r["cache"]["entries"] - before["entries"]
+            before = r["cache"]
             print(
                 f"[{args.config} {args.workload}] {name} run: {r['wall_s']:.1f} s wall, "
-                f"start-up {r['startup_s']} s ({r['startup']}), {r['tok_s']:,.0f} tok/s",
+                f"start-up {r['startup_s']} s ({r['startup']}), {r['tok_s']:,.0f} tok/s; "
+                f"the Triton cache gained {added} entries (now {r['cache']['entries']}, "
+                f"{r['cache']['bytes'] / 1e6:.1f} MB, {r['cache']['variant_lists']} variant "
+                "lists)",
                 flush=True,
             )
     ratio = runs["first"]["wall_s"] / runs["second"]["wall_s"]

@@ -13,7 +13,8 @@ compile the recorded variants into the on-disk cache side by side; the
 engine's own warm-up and graph capture then only load them.  Variants the dry
 run missed still compile on first use, as before (``late_compiles`` counts
 them).  The list of variants is kept beside Triton's cache, keyed by the
-model's shape and the engine settings, so a later run skips the dry run.
+model's shape, the engine settings, the kernels' sources and moetrace's
+environment settings (``variants_key``), so a later run skips the dry run.
 
 Compilation needs no GPU (Triton targets the device named), so the workers
 never touch CUDA, and forking them after the parent initialised CUDA is safe.
@@ -190,6 +191,16 @@ def _variants_file(hf_config: dict, dtype, config, device, max_model_len: int) -
     """Where the variant list of this model shape and these settings is kept."""
     import triton
 
+    capability = torch.cuda.get_device_capability(device)
+    key = variants_key(hf_config, dtype, config, max_model_len, capability)
+    return os.path.join(triton.knobs.cache.dir, "moetrace-variants", f"{key}.json")
+
+
+def variants_key(hf_config: dict, dtype, config, max_model_len: int, capability) -> str:
+    """What a variant list is filed under: a digest of everything that decides which
+    variants a run's steps launch, so a list recorded under other settings is never read."""
+    import triton
+
     from moetrace import __version__
 
     settings = {
@@ -197,13 +208,22 @@ def _variants_file(hf_config: dict, dtype, config, device, max_model_len: int) -
         "dtype": str(dtype),
         "engine": config.to_dict(),
         "max_model_len": max_model_len,
-        "capability": torch.cuda.get_device_capability(device),
+        "capability": capability,
         "triton": triton.__version__,
         "moetrace": __version__,
         "kernels": _kernel_sources_digest(),
+        "environment": _moetrace_environment(),
     }
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
-    return os.path.join(triton.knobs.cache.dir, "moetrace-variants", f"{digest[:32]}.json")
+    return digest[:32]
+
+
+def _moetrace_environment() -> dict[str, object]:
+    """moetrace's own environment settings, as parsed: some are kernel switches (the
+    attention sinks' variants, the MXFP4 layout) that change the variants launched."""
+    from moetrace import envs
+
+    return {name: envs.get(name) for name in envs.ENVIRONMENT}
 
 
 def _kernel_sources_digest(folder: str | None = None) -> str:
