@@ -12,6 +12,9 @@ for each token a step will sample, so the next step can be scheduled while
 this one still runs on the device (asynchronous scheduling); ``update`` fills
 the placeholders in when the sampled tokens arrive.  Preemption happens only
 when nothing is in flight: the engine drains first (``needs_preemption``).
+So a block is offered to the prefix cache as soon as a step is scheduled to
+fill it: no step that would compute it is ever dropped, and a request
+admitted in the same step (a prompt's ``n`` samples) already shares it.
 
 Before any request's blocks are freed (finish, abort, preemption) the
 ``before_free`` callback runs, so the routing rows in those blocks can be saved
@@ -119,6 +122,12 @@ class Scheduler:
         request.num_computed_tokens = before + num_new
         if samples:
             request.num_placeholders += 1
+        # The blocks this step fills are findable now, not once it completes: a request
+        # admitted later in this step (the other samples of a prompt) shares them, since each
+        # layer stores the whole step's keys and values before any of its attention reads
+        # them, and later steps run after this one.  Only known tokens (no placeholder) count.
+        known = min(request.num_computed_tokens, request.num_tokens)
+        self.block_manager.register_computed_blocks(request, known)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -156,3 +156,35 @@ def test_async_stats_count_only_the_tokens_kept(model, prompts):
     kept = sum(f.output_len for f in done.values())
     assert any(f.finish_reason == "stop" and f.output_len < 12 for f in done.values())
     assert engine.stats.output_tokens == kept
+
+
+def test_samples_admitted_in_one_step_share_their_prompt_and_route_alike(model):
+    """A prompt's n samples start in the same step: all but the first take its prompt blocks
+    from the prefix cache (the first fills them in that very step), and every sample's rows,
+    gate weights and tokens equal those of a run that caches nothing."""
+    from moetrace.config import EngineConfig
+    from moetrace.engine.llm_engine import LLMEngine
+    from moetrace.engine.sampling import SamplingParams
+
+    prompt = np.random.default_rng(5).integers(0, 97, size=29).tolist()  # 7 full blocks of 4
+    params = SamplingParams(max_tokens=5, n=4, temperature=1.0, seed=3)
+    runs = {}
+    for caching in (False, True):
+        config = EngineConfig(
+            num_kv_blocks=64,
+            block_size=4,
+            enable_prefix_caching=caching,
+            capture_weights="float32",
+        )
+        engine = LLMEngine(model, config, torch.device("cpu"))
+        engine.add_request("p", prompt, params)
+        runs[caching] = {(f.request_id, f.sample_index): f for f in engine.run()}
+        engine.block_manager.check_no_leaks()
+    shared, alone = runs[True], runs[False]
+    assert sorted(f.num_cached_tokens for f in shared.values()) == [0, 28, 28, 28]
+    assert all(f.num_cached_tokens == 0 for f in alone.values())
+    for rid, want in alone.items():
+        got = shared[rid]
+        np.testing.assert_array_equal(got.output_token_ids, want.output_token_ids)
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+        np.testing.assert_array_equal(got.routed_weights, want.routed_weights)
