@@ -2,7 +2,7 @@
 
 Checked from config.json alone, before any process starts or weight loads.
 Each family admitted here has been run at TP=2 on the CPU and recorded the
-TP=1 trace exactly (tests/distributed/test_tensor_parallel.py); the rest are refused
+TP=1 trace exactly (tests/distributed/test_sharding.py); the rest are refused
 rather than trusted: OLMoE normalises q and k over all heads (a split would
 need its own all-reduce), DeepSeek's MLA attention and gpt-oss's sinks and
 expert biases have no sharded path yet, and the others are simply untested.

@@ -7,7 +7,7 @@ dtype, device, load format, run seed, context length and the sampling
 defaults.  Settings that only change how the engine batches
 (``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``,
 ``--num-kv-blocks``, prefix caching, memory share) may differ: rows and
-tokens are invariant to them, which tests/engine/test_engine_invariance.py proves
+tokens are invariant to them, which tests/engine/test_llm_engine_invariance.py proves
 bit for bit.
 
 The trace's records must also be sound: every record's offsets and lengths
