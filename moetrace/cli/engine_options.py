@@ -297,29 +297,40 @@ class EngineArgs:
         )
 
 
-def with_engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Put ``ENGINE_OPTIONS`` where ``command`` has its ``engine: EngineArgs`` parameter."""
-    signature = inspect.signature(command, eval_str=True)
-    parameters = []
-    for param in signature.parameters.values():
-        if param.name != "engine":
-            parameters.append(param)
-            continue
-        parameters += [
-            inspect.Parameter(name, param.kind, default=opt, annotation=kind)
-            for name, (kind, opt) in ENGINE_OPTIONS.items()
-        ]
+def with_options(
+    param: str, table: dict[str, tuple[Any, Any]], group: type
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator that puts ``table``'s options where a command has its ``param: group``
+    parameter, and calls the command with them gathered into one ``group``."""
 
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        given = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
-        return command(*args, engine=EngineArgs(**given), **kwargs)
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        parameters = []
+        for p in signature.parameters.values():
+            if p.name != param:
+                parameters.append(p)
+                continue
+            parameters += [
+                inspect.Parameter(name, p.kind, default=option, annotation=kind)
+                for name, (kind, option) in table.items()
+            ]
 
-    run.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
-    # typer reads this signature and these (evaluated) annotations, not the command's own.
-    run.__annotations__ = {p.name: p.annotation for p in parameters}
-    del run.__wrapped__
-    return run
+        @functools.wraps(command)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            given = {name: kwargs.pop(name) for name in table}
+            return command(*args, **{param: group(**given)}, **kwargs)
+
+        run.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        # typer reads this signature and these (evaluated) annotations, not the command's own.
+        run.__annotations__ = {p.name: p.annotation for p in parameters}
+        del run.__wrapped__
+        return run
+
+    return decorate
+
+
+# Put ``ENGINE_OPTIONS`` where a command has its ``engine: EngineArgs`` parameter.
+with_engine_options = with_options("engine", ENGINE_OPTIONS, EngineArgs)
 
 
 def check_supported(*, pipeline_parallel_size: int = 1, cpu_offload_gb: float = 0.0) -> None:

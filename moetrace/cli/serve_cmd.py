@@ -9,14 +9,14 @@ from pathlib import Path
 import typer
 
 from moetrace.cli import engine_options as opts
+from moetrace.cli.serve_options import GuardArgs, with_guard_options
 from moetrace.errors import MoetraceError, install_extra
-
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as serving/access.py (serving loads lazily)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @opts.with_engine_options
+@with_guard_options
 def serve_command(
     model: str = opts.MODEL,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
@@ -75,42 +75,7 @@ def serve_command(
         "--weight-update-timeout",
         help="Seconds to wait for a trainer joining the update group or for each broadcast.",
     ),
-    api_key: list[str] = typer.Option(
-        None,
-        "--api-key",
-        help="Require 'Authorization: Bearer KEY' on every route but /health (repeatable; "
-        "MOETRACE_API_KEY adds one).",
-    ),
-    allowed_origins: list[str] = typer.Option(
-        None,
-        "--allowed-origins",
-        help="Origins browsers may call from (CORS; repeatable, '*' for any). Default: none.",
-    ),
-    public_metrics: bool = typer.Option(
-        False, "--public-metrics", help="/metrics answers without the API key."
-    ),
-    max_request_bytes: int = typer.Option(
-        DEFAULT_MAX_REQUEST_BYTES,
-        "--max-request-bytes",
-        help="Largest request body; a larger one gets 413 before it is read.",
-    ),
-    max_sequences_per_request: int = typer.Option(
-        4096,
-        "--max-sequences-per-request",
-        help="Most engine requests (prompts x n) one HTTP request may start.",
-    ),
-    limit_concurrency: int = typer.Option(
-        None,
-        "--limit-concurrency",
-        help="uvicorn's: connections served at once, 503 past it (default: from the "
-        "open-files limit, at most 4096).",
-    ),
-    header_timeout: float = typer.Option(
-        10.0, "--header-timeout", help="Seconds a request has to send its headers."
-    ),
-    body_timeout: float = typer.Option(
-        60.0, "--body-timeout", help="Seconds a request has to send its body after them."
-    ),
+    guard: GuardArgs = None,  # access and limits (serve_options.py)
     engine: opts.EngineArgs = None,  # the shared options (engine_options.py)
     flush_interval: float = opts.FLUSH_INTERVAL,
     flush_every: int = opts.FLUSH_EVERY,
@@ -131,8 +96,6 @@ def serve_command(
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise MoetraceError(f"moetrace serve needs {exc.name}: {install_extra('serve')}") from None
-    from moetrace import envs
-    from moetrace.serving.access import AccessOptions
     from moetrace.serving.server import Server
     from moetrace.trace.writer import unclosed_traces
 
@@ -143,15 +106,7 @@ def serve_command(
         )
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
-    keys = [k for k in (*(api_key or []), envs.get("MOETRACE_API_KEY")) if k]
-    if any(not k.strip() for k in api_key or []):
-        raise typer.BadParameter("an API key must not be blank", param_hint="--api-key")
-    access = AccessOptions(
-        api_keys=tuple(keys),
-        allowed_origins=tuple(allowed_origins or ()),
-        public_metrics=public_metrics,
-        max_request_bytes=max_request_bytes,
-    )
+    access = guard.access()
     engine.check()
     if enable_weight_updates and (engine.tensor_parallel_size or 1) > 1:
         raise MoetraceError(
@@ -180,10 +135,7 @@ def serve_command(
             # Rank 0 of a tensor-parallel group is this process (the driver joined it).
             engine_in_process=not engine_process or parallel.enabled,
             access=access,
-            max_sequences_per_request=max_sequences_per_request,
-            limit_concurrency=limit_concurrency,
-            header_timeout_s=header_timeout,
-            body_timeout_s=body_timeout,
+            **guard.server_limits(),
             enable_weight_updates=enable_weight_updates,
             weight_update_timeout_s=weight_update_timeout,
         )

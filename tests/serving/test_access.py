@@ -157,3 +157,11 @@ def test_a_body_past_the_limit_is_refused_before_it_is_read(server):
         timeout=30,
     )
     assert r.status_code == 200, r.text
+
+
+def test_the_command_line_and_the_guard_share_one_body_limit():
+    """serve_options declares the default beside the option (serving loads lazily)."""
+    from moetrace.cli.serve_options import DEFAULT_MAX_REQUEST_BYTES as option_default
+    from moetrace.serving.access import DEFAULT_MAX_REQUEST_BYTES
+
+    assert option_default == DEFAULT_MAX_REQUEST_BYTES
