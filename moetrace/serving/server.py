@@ -345,10 +345,8 @@ class Server:
             raise MoetraceError(f"the server stopped: {result.fatal}")
         return result
 
-    async def _serve(
-        self, engine, writer, facts, eos, result: ServeResult, on_ready, timeline, timeline_out
-    ) -> None:
-        loop = asyncio.get_running_loop()
+    def _uvicorn_config(self) -> uvicorn.Config:
+        """uvicorn's settings: the guarded protocol, the connection limit, the timeouts."""
         open_files = raise_open_files_limit()
         limit = self.limit_concurrency or default_connection_limit(open_files)
         protocol = type(
@@ -356,8 +354,8 @@ class Server:
             (GuardedHttpTools,),
             {"header_timeout_s": self.header_timeout_s, "body_timeout_s": self.body_timeout_s},
         )
-        config = uvicorn.Config(
-            None,  # the app is set below, once the context exists
+        return uvicorn.Config(
+            None,  # the app is set once the context exists
             host=self.host,
             port=self.port,
             http=protocol,
@@ -371,6 +369,35 @@ class Server:
             timeout_keep_alive=KEEP_ALIVE_S,
             lifespan="off",
         )
+
+    def _context(self, engine_loop, engine, facts, eos, metrics) -> ServingContext:
+        """What every handler reads: the loop, the model's facts, the limits, the defaults."""
+        return ServingContext(
+            loop=engine_loop,
+            tokenizer=self.tokenizer,
+            model=facts,
+            served_model_names=self.served_model_names,
+            model_path=self.model.name,
+            max_model_len=engine.max_model_len,
+            num_kv_blocks=engine.block_manager.num_blocks,
+            block_size=engine.config.block_size,
+            return_routed_experts=self.return_routed_experts,
+            return_routed_weights=self.return_routed_weights,
+            eos_token_ids=tuple(eos),
+            sampling_defaults=self.sampling_defaults,
+            created=int(time.time()),
+            max_sequences_per_request=self.max_sequences_per_request,
+            max_prompt_chars=self._max_prompt_chars(engine.max_model_len),
+            metrics=metrics,
+            enable_weight_updates=self.enable_weight_updates,
+            dtype=self.dtype,
+        )
+
+    async def _serve(
+        self, engine, writer, facts, eos, result: ServeResult, on_ready, timeline, timeline_out
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        config = self._uvicorn_config()
         ctx: ServingContext
 
         def stopping() -> None:
@@ -414,26 +441,7 @@ class Server:
         )
         if remote:
             engine.has_news = engine_loop.has_news
-        ctx = ServingContext(
-            loop=engine_loop,
-            tokenizer=self.tokenizer,
-            model=facts,
-            served_model_names=self.served_model_names,
-            model_path=self.model.name,
-            max_model_len=engine.max_model_len,
-            num_kv_blocks=engine.block_manager.num_blocks,
-            block_size=engine.config.block_size,
-            return_routed_experts=self.return_routed_experts,
-            return_routed_weights=self.return_routed_weights,
-            eos_token_ids=tuple(eos),
-            sampling_defaults=self.sampling_defaults,
-            created=int(time.time()),
-            max_sequences_per_request=self.max_sequences_per_request,
-            max_prompt_chars=self._max_prompt_chars(engine.max_model_len),
-            metrics=metrics,
-            enable_weight_updates=self.enable_weight_updates,
-            dtype=self.dtype,
-        )
+        ctx = self._context(engine_loop, engine, facts, eos, metrics)
         config.app = create_app(ctx, self.access)
         freeze_start_up_heap()
         engine_loop.start()
