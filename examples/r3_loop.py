@@ -15,9 +15,13 @@ Each step:
    forward carries the GRPO loss, and an optimizer step follows;
 3. the new weights go back to the server as a weight version of their own:
    by ``torch.distributed`` broadcasts over a group the trainer hosts (slime's
-   and AReaL's route, gloo on the CPU) or through a checkpoint on disk, on
-   alternate steps unless ``--transport`` names one; the next step's rollouts
-   must carry that version.
+   and AReaL's route, gloo on the CPU) or through a checkpoint on disk, in
+   turns unless ``--transport`` names one; the next step's rollouts must
+   carry that version.
+
+Before the first step the trainer's starting weights go to the server the
+same way (version "0"), so the two start equal even on a server that ran
+something else before.
 
 Per step it prints the reward, the training-inference mismatch of the sampled
 tokens' log-probabilities without and with replay (mean |Δ log p| and the k3
@@ -193,7 +197,7 @@ def roll_out(url: str, prompt_ids: list[list[int]], args, step: int, shape) -> l
         return rollout
 
     jobs = [(p, j) for p in range(len(prompt_ids)) for j in range(args.samples)]
-    with ThreadPoolExecutor(len(jobs)) as pool:
+    with ThreadPoolExecutor(min(len(jobs), 64)) as pool:
         return list(pool.map(lambda job: one(*job), jobs))
 
 
@@ -224,13 +228,12 @@ def sampled_logprobs(model, rollouts: list[Rollout], device) -> list[torch.Tenso
         ids[b, : len(seq)] = torch.tensor(seq)
         mask[b, : len(seq)] = 1
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    logp = torch.log_softmax(logits.float(), dim=-1)
     out = []
     for b, r in enumerate(rollouts):
-        start = len(r.prompt_ids)  # logits at t predict token t + 1
-        positions = torch.arange(start - 1, start - 1 + len(r.output_ids), device=device)
-        tokens = ids[b, start : start + len(r.output_ids)].to(device)
-        out.append(logp[b, positions, tokens])
+        start, n = len(r.prompt_ids), len(r.output_ids)  # logits at t predict token t + 1
+        logp = logits[b, start - 1 : start - 1 + n].float().log_softmax(dim=-1)
+        tokens = ids[b, start : start + n].to(device)
+        out.append(logp.gather(1, tokens[:, None])[:, 0])
     return out
 
 
@@ -240,7 +243,9 @@ def drift(rollouts: list[Rollout], trainer: list[torch.Tensor]) -> dict:
     figures = LogprobDrift()
     for r, lp in zip(rollouts, trainer, strict=True):
         figures.add(r.logprobs, lp.detach().double().cpu().numpy())
-    result = figures.result() or {}
+    result = figures.result()  # None when every completion was empty
+    if result is None:
+        return {"abs_logprob_diff": float("nan"), "kl_k3": float("nan")}
     return {"abs_logprob_diff": result["mean_abs_logprob_diff"], "kl_k3": result["kl_k3"]}
 
 
@@ -424,11 +429,15 @@ def run(args: argparse.Namespace) -> None:
     if args.metrics_out:
         args.metrics_out.write_text("")
     try:
-        version = call(server.url, "/get_weight_version")["weight_version"]
+        # The trainer's weights first, whatever the server served before (slime's train.py
+        # does the same before its first rollout): version "0".
+        version = "0"
+        sync.push(version, transport_of(0, args.transport))
         print(
-            f"{args.model} at {server.url}, weights {version!r}: {len(prompt_ids)} prompts x "
-            f"{args.samples} samples of {args.max_tokens} tokens a step; mismatch figures "
-            "read 'trainer routing by itself -> replaying the rollout's experts'",
+            f"{args.model} at {server.url}, weights {version!r} pushed by "
+            f"{transport_of(0, args.transport)}: {len(prompt_ids)} prompts x {args.samples} "
+            f"samples of {args.max_tokens} tokens a step; mismatch figures read 'trainer "
+            "routing by itself -> replaying the rollout's experts'",
             flush=True,
         )
         for step in range(args.steps):
@@ -438,9 +447,7 @@ def run(args: argparse.Namespace) -> None:
             if seen != {version}:
                 raise LoopError(f"step {step}: rollouts carry versions {seen}, not {version!r}")
             metrics = train_step(model, optimizer, rollouts, torch.device(args.device))
-            transport = args.transport
-            if transport == "alternate":
-                transport = "distributed" if step % 2 == 0 else "disk"
+            transport = transport_of(step + 1, args.transport)
             version = str(step + 1)
             sync.push(version, transport)
             metrics |= {
@@ -461,6 +468,13 @@ def run(args: argparse.Namespace) -> None:
     finally:
         sync.close()
         server.stop()
+
+
+def transport_of(push: int, transport: str) -> str:
+    """How the ``push``-th update (0: the starting weights) travels."""
+    if transport != "alternate":
+        return transport
+    return "distributed" if push % 2 == 0 else "disk"
 
 
 def report(m: dict) -> str:

@@ -6,7 +6,8 @@ against evidence it does not write itself: the server's own trace says which
 weight version sampled each rollout, and the trainer's log-probabilities stay
 at the bfloat16 floor of the server's only while the server runs the weights
 the trainer pushed (stale weights put them 20x further apart).  Three steps,
-so that both routes are proven: step 0 pushes by broadcast, step 1 by disk.
+so that both routes carry trained weights: step 0 pushes by disk, step 1 by
+broadcast (the starting weights went by broadcast too).
 """
 
 from __future__ import annotations
@@ -66,12 +67,12 @@ def test_each_step_samples_with_the_weights_the_step_before_pushed(loop):
             counts[step] += 1
             by_step[step] |= {v for v, _, _ in req.extra["weight_versions"]}
     assert dict(counts) == {s: PROMPTS * SAMPLES for s in range(STEPS)}
-    assert dict(by_step) == {0: {"default"}, 1: {"1"}, 2: {"2"}}
-    assert [m["transport"] for m in loop["metrics"]] == ["distributed", "disk", "distributed"]
+    assert dict(by_step) == {0: {"0"}, 1: {"1"}, 2: {"2"}}
+    assert [m["transport"] for m in loop["metrics"]] == ["disk", "distributed", "disk"]
 
 
 def test_the_pushed_weights_are_the_ones_the_trainer_trained(loop):
-    """Steps 1 and 2 sample with weights that came by broadcast and from disk: the
-    trainer's log-probs of those samples stay as close as with the starting weights."""
+    """Steps 1 and 2 sample with trained weights that came from disk and by broadcast:
+    the trainer's log-probs of those samples stay as close as with the starting ones."""
     for m in loop["metrics"]:
         assert m["abs_logprob_diff_replay"] < SAME_WEIGHTS_ABS_LOGPROB, m
