@@ -33,37 +33,19 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import json
-import re
-import signal
-import socket
 import string
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import transformers
-from torch.distributed.distributed_c10d import (
-    Backend,
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-)
+from serve_client import Server, ServerError, WeightSync, call
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 import moetrace.r3
 from moetrace.analysis.diff import compare_rows
@@ -72,72 +54,10 @@ from moetrace.errors import MoetraceError
 from moetrace.models.demo import model_dir
 
 PROMPTS = ("def fibonacci(n):", "The experts of a mixture", "import os\n", "Hello! Tell me")
-GROUP = "weight_update_group"  # SGLang's default group name
-BUCKET_BYTES = 256 << 20  # one update call per bucket of tensors, as slime sends them
-HTTP_TIMEOUT_S = 600.0
 
 
 class LoopError(Exception):
     """Something the loop cannot go on from; printed as one line."""
-
-
-# ------------------------------------------------------------------------ the server
-
-
-def call(url: str, path: str, body: dict | None = None) -> dict:
-    """POST ``body`` (GET without one) and the JSON answer; a refusal is a LoopError."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as answer:
-            text = answer.read().decode()
-    except urllib.error.HTTPError as exc:
-        raise LoopError(f"{path}: {exc.code} {exc.read().decode()[:300]}") from None
-    except urllib.error.URLError as exc:
-        raise LoopError(f"{path}: cannot reach {url}: {exc.reason}") from None
-    return json.loads(text) if text.strip().startswith(("{", "[")) else {"text": text}
-
-
-class Server:
-    """``moetrace serve`` with weight updates, started here, or one already running at ``url``."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.url = args.url or ""
-        self.lines: list[str] = []
-        if self.url:
-            return
-        command = [sys.executable, "-m", "moetrace", "serve", args.model, "--port", "0"]
-        command += ["--enable-return-routed-experts", "--enable-weight-updates"]
-        command += ["--device", args.device, "--dtype", args.server_dtype]
-        if args.trace_out:
-            command += ["--trace-out", str(args.trace_out), "--overwrite"]
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-        ready = threading.Event()
-        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
-        if not ready.wait(300) or not self.url:
-            self.stop()
-            raise LoopError("moetrace serve did not start:\n" + "".join(self.lines[-20:]))
-
-    def _read(self, ready: threading.Event) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            found = re.search(r"serving .* at (http://\S+)", line)
-            if found:
-                self.url = found.group(1)
-                ready.set()
-        ready.set()  # it ended before it served
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 # ------------------------------------------------------------------------ rollouts
@@ -290,119 +210,6 @@ def train_step(model, optimizer, rollouts: list[Rollout], device) -> dict:
     return metrics
 
 
-def checkpoint_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's tensors under the checkpoint's names and layout (per-expert weights,
-    tied copies left out): what ``save_pretrained`` writes and the server loads."""
-    state = remove_tied_weights_from_state_dict(dict(model.state_dict()), model)
-    state = revert_weight_conversion(model, state)
-    return [(name, t.detach().contiguous()) for name, t in sorted(state.items())]
-
-
-# ------------------------------------------------------------------------ weights back
-
-
-class WeightSync:
-    """New weights into the server: a broadcast group the trainer hosts, or a checkpoint."""
-
-    def __init__(self, url: str, model, args: argparse.Namespace) -> None:
-        self.url = url
-        self.model = model
-        self.args = args
-        self.group: dist.ProcessGroup | None = None
-        self.disk_dir = Path(args.weights_dir or tempfile.mkdtemp(prefix="r3-loop-"))
-
-    def push(self, version: str, transport: str) -> None:
-        """Pause, flush, load, continue: slime's sequence around an update."""
-        call(self.url, "/pause_generation", {})
-        call(self.url, "/flush_cache")
-        if transport == "distributed":
-            self._broadcast(version)
-        else:
-            self.model.save_pretrained(self.disk_dir)
-            body = {"model_path": str(self.disk_dir), "weight_version": version}
-            call(self.url, "/update_weights_from_disk", body)
-        call(self.url, "/continue_generation", {})
-
-    def _join(self) -> dist.ProcessGroup:
-        """Host the group as rank 0 and have the server join it (``init_weights_update_group``).
-
-        Built as SGLang's ``init_custom_process_group`` (and slime's copy of it) builds
-        it: the store under a prefix named after the group, then torch's process
-        group helper, so both sides look for the same keys; it is not this process's
-        default group, which a real trainer already has."""
-        port = free_port()
-        timeout = timedelta(seconds=HTTP_TIMEOUT_S)
-        store = dist.TCPStore(
-            self.args.master_address, port, 2, is_master=True, timeout=timeout,
-            wait_for_workers=False,
-        )  # fmt: skip
-        body = {
-            "master_address": self.args.master_address,
-            "master_port": port,
-            "rank_offset": 1,  # the server's one rank (weight updates run without TP)
-            "world_size": 2,
-            "group_name": GROUP,
-            "backend": self.args.update_backend,
-        }
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(call, self.url, "/init_weights_update_group", body)
-            pg, _ = _new_process_group_helper(
-                2, 0, [], Backend(self.args.update_backend), PrefixStore(GROUP, store),
-                group_name=GROUP, timeout=timeout,
-            )  # fmt: skip
-            _world.pg_group_ranks[pg] = {0: 0, 1: 1}
-            if not joined.result().get("success"):
-                raise LoopError(f"init_weights_update_group: {joined.result()}")
-        return pg
-
-    def _broadcast(self, version: str) -> None:
-        """Per bucket one ``update_weights_from_distributed`` call beside one broadcast per
-        tensor, in the order the call names them."""
-        if self.group is None:
-            self.group = self._join()
-        for bucket in buckets(checkpoint_tensors(self.model), BUCKET_BYTES):
-            body = {
-                "names": [name for name, _ in bucket],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": GROUP,
-                "weight_version": version,
-                "flush_cache": False,
-            }
-            with ThreadPoolExecutor(1) as pool:
-                answer = pool.submit(call, self.url, "/update_weights_from_distributed", body)
-                for _, tensor in bucket:
-                    dist.broadcast(tensor, 0, group=self.group)
-                if not answer.result().get("success"):
-                    raise LoopError(f"update_weights_from_distributed: {answer.result()}")
-
-    def close(self) -> None:
-        if self.group is None:
-            return
-        dist.destroy_process_group(self.group)
-        self.group = None
-        with contextlib.suppress(LoopError):  # a server already gone has no group left
-            call(self.url, "/destroy_weights_update_group", {"group_name": GROUP})
-
-
-def buckets(named: list[tuple[str, torch.Tensor]], limit: int):
-    bucket, size = [], 0
-    for name, tensor in named:
-        if bucket and size + tensor.nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += tensor.nbytes
-    if bucket:
-        yield bucket
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 # ------------------------------------------------------------------------ the loop
 
 
@@ -424,8 +231,15 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer, optimizer = load_trainer(args)
     shape = (model.config.num_hidden_layers, model.config.num_experts_per_tok)
     prompt_ids = [tokenizer.encode(p) for p in args.prompt or PROMPTS]
-    server = Server(args)
-    sync = WeightSync(server.url, model, args)
+    serve_options = ["--device", args.device, "--dtype", args.server_dtype]
+    server = Server(args.url, args.model, serve_options, args.trace_out)
+    sync = WeightSync(
+        server.url,
+        model,
+        master_address=args.master_address,
+        backend=args.update_backend,
+        disk_dir=args.weights_dir,
+    )
     if args.metrics_out:
         args.metrics_out.write_text("")
     try:
@@ -525,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()  # no bar per load and save
     try:
         run(args)
-    except (LoopError, MoetraceError) as exc:
+    except (LoopError, ServerError, MoetraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
