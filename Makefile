@@ -41,14 +41,14 @@ demo: $(VENV)/.installed-core
 	$(BIN)/moetrace inspect demo-trace.h5
 
 test: install
-	$(BIN)/ruff check moetrace tests benchmarks tools
-	$(BIN)/ruff format --check moetrace tests benchmarks tools
+	$(BIN)/ruff check moetrace tests benchmarks tools examples
+	$(BIN)/ruff format --check moetrace tests benchmarks tools examples
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 format: install
-	$(BIN)/ruff check --fix moetrace tests benchmarks tools
-	$(BIN)/ruff format moetrace tests benchmarks tools
+	$(BIN)/ruff check --fix moetrace tests benchmarks tools examples
+	$(BIN)/ruff format moetrace tests benchmarks tools examples
 
 clean:
 	rm -rf $(VENV) demo-trace.h5 .pytest_cache .ruff_cache .import_linter_cache .grimp_cache

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # Paths in other projects' repositories that the docs cite as such.
 ELSEWHERE = {"tests/entrypoints/openai/test_return_routed_experts.py"}
-PATH = re.compile(r"(?<![\w/.])((?:moetrace|tests|benchmarks|tools|docs)/[\w./*-]*[\w*])")
+PATH = re.compile(r"(?<![\w/.])((?:moetrace|tests|benchmarks|tools|docs|examples)/[\w./*-]*[\w*])")
 DOTTED = re.compile(r"`([A-Z]\w*)\.(\w+)(?:\(\))?`")
 
 
