@@ -73,7 +73,7 @@ def test_the_shutdown_timeout_answers_requests_as_aborted(tmp_path):
             srv.proc.send_signal(signal.SIGTERM)  # the timeout, not a second signal, ends them
             chunks += [line for line in lines if line]
         waiter.join(60)
-        code = srv.stop()
+        code = srv.wait()  # stop() would send the second SIGTERM that means "stop now"
     finally:
         srv.stop()
     assert code == 0, srv.stderr

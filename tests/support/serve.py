@@ -64,6 +64,12 @@ class ServerProcess:
                 self.url = match.group(1)
                 self._url.set()
 
+    def wait(self, timeout_s: float = 60.0) -> int:
+        """The exit code once the server ends by itself (a signal already sent), sending none."""
+        code = self.proc.wait(timeout_s)
+        self._reader.join(5)
+        return code
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
