@@ -218,72 +218,23 @@ def diff_traces(
     warnings = check_comparable(a, b)
     layers = [int(x) for x in a.metadata["moe_layer_indices"]]
     acc = RoutingDiff(len(layers))
-    drift = LogprobDrift() if a.has_logprobs and b.has_logprobs else None
-    if a.has_logprobs != b.has_logprobs:
-        lacking = "A" if b.has_logprobs else "B"
-        warnings.append(
-            f"{lacking} holds no log-probabilities (recorded without --logprobs): the "
-            "log-probability drift was not measured"
-        )
-    details, only_a, seen_b = [], [], set()
-    rows_excluded = diverged = shorter = prompts_differ = unknown_tokens = 0
+    drift = _logprob_drift(a, b, warnings)
+    tally = _RequestTally(detail_limit)
     for ra, rb in _pairs(a, b, match, ids):
         if rb is None:
-            only_a.append(ra.id)
-            continue
-        seen_b.add(rb.position)
-        n, differs_at, is_shorter, unknown = compared_rows(ra, rb)
-        unknown_tokens += unknown
-        figures = acc.add(ra.routed_experts[:n], rb.routed_experts[:n], ra.prompt_len)
-        if drift is not None and ra.prompt_len == rb.prompt_len:
-            common = min(ra.prompt_len + ra.output_len, rb.prompt_len + rb.output_len)
-            scored = max(0, (common if differs_at is None else differs_at) - ra.prompt_len)
-            figures.update(drift.add(ra.output_logprobs[:scored], rb.output_logprobs[:scored]))
-        excluded = max(ra.num_rows, rb.num_rows) - n
-        rows_excluded += excluded
-        prompt_same = ra.prompt_len == rb.prompt_len and (
-            differs_at is None or differs_at >= ra.prompt_len
-        )
-        prompts_differ += not prompt_same
-        diverged += differs_at is not None
-        shorter += is_shorter
-        differs = figures["tokens_with_difference"] or excluded or differs_at is not None
-        if differs and (len(details) < detail_limit or detail_limit == 0):
-            details.append(
-                {
-                    "id": ra.id,
-                    "b_id": rb.id,
-                    "sample_index": ra.sample_index,
-                    "rows_a": ra.num_rows,
-                    "rows_b": rb.num_rows,
-                    "compared_rows": n,
-                    "excluded_rows": excluded,
-                    "tokens_diverge_at": differs_at,
-                    "one_is_shorter": is_shorter,
-                    "prompt_differs": not prompt_same,
-                    **figures,
-                }
-            )
-    only_b = [rid for i, rid in enumerate(b.request_ids) if i not in seen_b] if ids is None else []
-    compared = (a.num_requests if ids is None else len(ids)) - len(only_a)
+            tally.only_a.append(ra.id)
+        else:
+            tally.add(*_compare_pair(ra, rb, acc, drift), rb.position)
+    requests = tally.requests(a, b, ids)
     result = acc.result(layers)
-    if unknown_tokens:
+    if tally.unknown_tokens:
         warnings.append(
-            f"{unknown_tokens} request(s) have unknown token ids; their rows were compared "
+            f"{tally.unknown_tokens} request(s) have unknown token ids; their rows were compared "
             "as if the tokens matched"
         )
-    if compared == 0 and (a.num_requests or b.num_requests):
+    if requests["compared"] == 0 and (a.num_requests or b.num_requests):
         warnings.append(_no_pairs_hint(a, b, match))
-    verdict = {
-        "routing": (
-            "nothing compared"
-            if result["tokens"] == 0
-            else "differs"
-            if result["tokens_with_difference"]
-            else "identical"
-        ),
-        "sequences": ("identical" if not (diverged or shorter or only_a or only_b) else "differ"),
-    }
+    verdict = _verdict(result, requests)
     # Traces of the same requests with the same tokens and no differing row.
     identical = verdict["routing"] != "differs" and verdict["sequences"] == "identical"
     return {
@@ -293,22 +244,120 @@ def diff_traces(
         "verdict": verdict,
         "identical": identical,
         "warnings": warnings,
-        "requests": {
-            "a": a.num_requests,
-            "b": b.num_requests,
-            "compared": compared,
-            "only_in_a": len(only_a),
-            "only_in_b": len(only_b),
-            "only_in_a_ids": only_a[:20],
-            "only_in_b_ids": only_b[:20],
-            "tokens_diverged": diverged,
-            "one_is_shorter": shorter,
-            "prompts_differ": prompts_differ,
-        },
-        "rows_excluded": rows_excluded,
+        "requests": requests,
+        "rows_excluded": tally.rows_excluded,
         **result,
         "logprobs": None if drift is None else drift.result(),
-        "request_detail": details,
+        "request_detail": tally.details,
+    }
+
+
+def _logprob_drift(a: Trace, b: Trace, warnings: list[str]) -> LogprobDrift | None:
+    """A drift accumulator when both traces hold log-probabilities; a warning when one lacks."""
+    if a.has_logprobs != b.has_logprobs:
+        lacking = "A" if b.has_logprobs else "B"
+        warnings.append(
+            f"{lacking} holds no log-probabilities (recorded without --logprobs): the "
+            "log-probability drift was not measured"
+        )
+    return LogprobDrift() if a.has_logprobs and b.has_logprobs else None
+
+
+def _compare_pair(
+    ra: TraceRequest, rb: TraceRequest, acc: RoutingDiff, drift: LogprobDrift | None
+) -> tuple[dict, bool]:
+    """Fold one pair into ``acc`` (and ``drift``); its detail row, and whether a token id
+    was unknown."""
+    n, differs_at, is_shorter, unknown = compared_rows(ra, rb)
+    figures = acc.add(ra.routed_experts[:n], rb.routed_experts[:n], ra.prompt_len)
+    if drift is not None and ra.prompt_len == rb.prompt_len:
+        common = min(ra.prompt_len + ra.output_len, rb.prompt_len + rb.output_len)
+        scored = max(0, (common if differs_at is None else differs_at) - ra.prompt_len)
+        figures.update(drift.add(ra.output_logprobs[:scored], rb.output_logprobs[:scored]))
+    prompt_same = ra.prompt_len == rb.prompt_len and (
+        differs_at is None or differs_at >= ra.prompt_len
+    )
+    detail = {
+        "id": ra.id,
+        "b_id": rb.id,
+        "sample_index": ra.sample_index,
+        "rows_a": ra.num_rows,
+        "rows_b": rb.num_rows,
+        "compared_rows": n,
+        "excluded_rows": max(ra.num_rows, rb.num_rows) - n,
+        "tokens_diverge_at": differs_at,
+        "one_is_shorter": is_shorter,
+        "prompt_differs": not prompt_same,
+        **figures,
+    }
+    return detail, unknown
+
+
+class _RequestTally:
+    """Request-level counts over the pairs, and the detail rows of those that differ."""
+
+    def __init__(self, detail_limit: int) -> None:
+        self.detail_limit = detail_limit
+        self.details: list[dict] = []
+        self.only_a: list[str] = []
+        self.seen_b: set[int] = set()
+        self.rows_excluded = self.diverged = self.shorter = 0
+        self.prompts_differ = self.unknown_tokens = 0
+
+    def add(self, detail: dict, unknown: bool, b_position: int) -> None:
+        """Count one compared pair; keep its detail if it differs and the limit allows."""
+        self.seen_b.add(b_position)
+        self.unknown_tokens += unknown
+        self.rows_excluded += detail["excluded_rows"]
+        self.prompts_differ += detail["prompt_differs"]
+        self.diverged += detail["tokens_diverge_at"] is not None
+        self.shorter += detail["one_is_shorter"]
+        differs = (
+            detail["tokens_with_difference"]
+            or detail["excluded_rows"]
+            or detail["tokens_diverge_at"] is not None
+        )
+        if differs and (len(self.details) < self.detail_limit or self.detail_limit == 0):
+            self.details.append(detail)
+
+    def requests(self, a: Trace, b: Trace, ids: list[str] | None) -> dict:
+        """The result's ``requests`` section: counts, and which requests went unpaired."""
+        only_b = (
+            [rid for i, rid in enumerate(b.request_ids) if i not in self.seen_b]
+            if ids is None
+            else []
+        )
+        return {
+            "a": a.num_requests,
+            "b": b.num_requests,
+            "compared": (a.num_requests if ids is None else len(ids)) - len(self.only_a),
+            "only_in_a": len(self.only_a),
+            "only_in_b": len(only_b),
+            "only_in_a_ids": self.only_a[:20],
+            "only_in_b_ids": only_b[:20],
+            "tokens_diverged": self.diverged,
+            "one_is_shorter": self.shorter,
+            "prompts_differ": self.prompts_differ,
+        }
+
+
+def _verdict(result: dict, requests: dict) -> dict[str, str]:
+    """Two verdicts: routing over the compared rows, sequences over tokens and requests."""
+    sequences_differ = (
+        requests["tokens_diverged"]
+        or requests["one_is_shorter"]
+        or requests["only_in_a"]
+        or requests["only_in_b"]
+    )
+    return {
+        "routing": (
+            "nothing compared"
+            if result["tokens"] == 0
+            else "differs"
+            if result["tokens_with_difference"]
+            else "identical"
+        ),
+        "sequences": ("identical" if not sequences_differ else "differ"),
     }
 
 

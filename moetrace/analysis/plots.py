@@ -16,7 +16,7 @@ import numpy as np
 from moetrace.analysis.balance import gini
 from moetrace.errors import MoetraceError, install_extra
 from moetrace.output_files import check_new_output, check_not_an_input, replacing
-from moetrace.trace.stats import load_stats
+from moetrace.trace.stats import LoadStats, load_stats
 
 SUFFIXES = (".png", ".svg", ".pdf", ".html")
 CELL_MARK_LIMIT = 6000  # mark dead experts with a dot while cells are big enough to see it
@@ -78,19 +78,30 @@ def plot_load(
     load over the mean and the mean number of ranks a token is sent to.
     """
     plt = _pyplot()
-    from matplotlib.colors import TwoSlopeNorm
-
-    num_layers, num_experts = counts.shape
+    num_layers = counts.shape[0]
     stats = load_stats(counts)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = counts / stats.mean[:, None]
-    rel = np.where(np.isfinite(rel), rel, np.nan)
     heat_h = min(max(0.17 * num_layers + 1.6, 3.2), 11.0)
     heights = [heat_h, 2.8] + ([2.6] if ep else [])
     fig = plt.figure(figsize=(12, sum(heights) + 1.2), layout="constrained")
     grid = fig.add_gridspec(len(heights), 2, height_ratios=heights, width_ratios=[60, 1])
     fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=12)
+    _load_heatmap(fig, grid, counts, stats, layers)
+    _imbalance_panel(fig.add_subplot(grid[1, 0]), counts, stats, layers)
+    if ep:
+        _ep_panel(fig.add_subplot(grid[2, 0]), ep, layers)
+    save(fig, path, title, subtitle)
+    plt.close(fig)
 
+
+def _load_heatmap(fig, grid, counts: np.ndarray, stats: LoadStats, layers: list[int]) -> None:
+    """Each expert's load over its layer's mean, white on blue to red around 1; with
+    cells big enough to see, a cross on each expert never selected."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    num_layers, num_experts = counts.shape
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = counts / stats.mean[:, None]
+    rel = np.where(np.isfinite(rel), rel, np.nan)
     ax = fig.add_subplot(grid[0, 0])
     vmax = max(2.0, float(np.nanmax(rel)) if np.isfinite(rel).any() else 2.0)
     im = ax.imshow(
@@ -118,52 +129,57 @@ def plot_load(
     cax = fig.add_subplot(grid[0, 1])
     fig.colorbar(im, cax=cax, label="load / layer mean")
 
-    ax2 = fig.add_subplot(grid[1, 0])
+
+def _imbalance_panel(ax, counts: np.ndarray, stats: LoadStats, layers: list[int]) -> None:
+    """MaxVio bars with the coefficient of variation and Gini per layer."""
+    num_layers = counts.shape[0]
     x = np.arange(num_layers)
-    ax2.bar(
+    ax.bar(
         x,
         np.nan_to_num(stats.max_violation),
         color="#c0504d",
         alpha=0.8,
         label="MaxVio (max - mean) / mean",
     )
-    ax2.plot(x, stats.cv, "o-", color="#1f4e79", ms=3, lw=1.2, label="coefficient of variation")
-    ax2.plot(x, gini(counts), "s--", color="#4f9a3a", ms=3, lw=1.0, label="Gini")
-    ax2.set_xlim(-0.6, num_layers - 0.4)
-    ax2.set_ylim(0, _headroom(np.nan_to_num(stats.max_violation), stats.cv))
-    ax2.set_title("imbalance per layer (0 = perfectly balanced)", fontsize=10)
-    ax2.set_xlabel("MoE layer (decoder index)")
-    ax2.set_ylabel("imbalance")
-    _layer_axis(ax2, layers, "x", most=32)
-    ax2.grid(axis="y", alpha=0.3)
-    ax2.legend(loc="upper right", fontsize=8, ncol=3, framealpha=0.9)
+    ax.plot(x, stats.cv, "o-", color="#1f4e79", ms=3, lw=1.2, label="coefficient of variation")
+    ax.plot(x, gini(counts), "s--", color="#4f9a3a", ms=3, lw=1.0, label="Gini")
+    ax.set_xlim(-0.6, num_layers - 0.4)
+    ax.set_ylim(0, _headroom(np.nan_to_num(stats.max_violation), stats.cv))
+    ax.set_title("imbalance per layer (0 = perfectly balanced)", fontsize=10)
+    ax.set_xlabel("MoE layer (decoder index)")
+    ax.set_ylabel("imbalance")
+    _layer_axis(ax, layers, "x", most=32)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8, ncol=3, framealpha=0.9)
 
-    if ep:
-        ax3 = fig.add_subplot(grid[2, 0])
-        per = ep["layers"]
-        ratio = [p["max_over_mean"] or 0 for p in per]
-        fan = [p["mean_ranks_per_token"] or 0 for p in per]
-        ax3.bar(x, ratio, color="#8064a2", alpha=0.8, label="busiest rank / mean rank load")
-        ax3.axhline(1.0, color="grey", lw=0.8, ls=":")
-        ax3.set_ylabel("rank load max / mean")
-        ax3.set_xlabel("MoE layer (decoder index)")
-        ax3.set_xlim(-0.6, num_layers - 0.4)
-        ax3.set_ylim(0, _headroom(ratio))
-        _layer_axis(ax3, layers, "x", most=32)
-        twin = ax3.twinx()
-        twin.plot(x, fan, "o-", color="#f79646", ms=3, lw=1.2, label="ranks per token (mean)")
-        twin.set_ylabel("ranks per token")
-        reach = min(ep["top_k"], ep["ep_size"]) if ep.get("top_k") else max(fan, default=1)
-        twin.axhline(
-            reach, color="#f79646", lw=0.8, ls="--", alpha=0.6, label="most ranks a token can reach"
-        )
-        twin.set_ylim(0, _headroom([reach]))
-        ax3.set_title(f"expert parallelism over {ep['ep_size']} ranks", fontsize=10)
-        lines = ax3.get_legend_handles_labels()
-        more = twin.get_legend_handles_labels()
-        ax3.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8, ncol=3)
-    save(fig, path, title, subtitle)
-    plt.close(fig)
+
+def _ep_panel(ax, ep: dict, layers: list[int]) -> None:
+    """Expert parallelism per layer: the busiest rank's load over the mean (bars) and the
+    ranks a token is sent to (line, against the most it can reach)."""
+    per = ep["layers"]
+    num_layers = len(per)
+    x = np.arange(num_layers)
+    ratio = [p["max_over_mean"] or 0 for p in per]
+    fan = [p["mean_ranks_per_token"] or 0 for p in per]
+    ax.bar(x, ratio, color="#8064a2", alpha=0.8, label="busiest rank / mean rank load")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_ylabel("rank load max / mean")
+    ax.set_xlabel("MoE layer (decoder index)")
+    ax.set_xlim(-0.6, num_layers - 0.4)
+    ax.set_ylim(0, _headroom(ratio))
+    _layer_axis(ax, layers, "x", most=32)
+    twin = ax.twinx()
+    twin.plot(x, fan, "o-", color="#f79646", ms=3, lw=1.2, label="ranks per token (mean)")
+    twin.set_ylabel("ranks per token")
+    reach = min(ep["top_k"], ep["ep_size"]) if ep.get("top_k") else max(fan, default=1)
+    twin.axhline(
+        reach, color="#f79646", lw=0.8, ls="--", alpha=0.6, label="most ranks a token can reach"
+    )
+    twin.set_ylim(0, _headroom([reach]))
+    ax.set_title(f"expert parallelism over {ep['ep_size']} ranks", fontsize=10)
+    lines = ax.get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8, ncol=3)
 
 
 def _headroom(*series) -> float:

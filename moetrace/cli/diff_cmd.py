@@ -128,6 +128,16 @@ def _pct(x) -> str:
 
 def render_diff(console: Console, d: dict, limit: int) -> None:
     """The tables of a ``diff_traces`` result (``diff`` and ``replay`` print them)."""
+    console.print(_summary_table(d))
+    console.print(_layer_table(d["layers"]))
+    console.print(_token_table(d["layers_differing_histogram"]))
+    details = d["request_detail"]
+    if details:
+        console.print(_request_table(details[: limit or None], console.width))
+
+
+def _summary_table(d: dict) -> Table:
+    """Verdicts, request counts, the mismatch shares, log-prob drift and the notes."""
     req = d["requests"]
     head = Table(show_header=False, box=None, title=f"{d['a']}  vs  {d['b']}")
     head.add_row("verdict", f"[bold]{'identical' if d['identical'] else 'different'}[/bold]")
@@ -154,27 +164,35 @@ def render_diff(console: Console, d: dict, limit: int) -> None:
             )
     lp = d.get("logprobs")
     if lp:
-        head.add_row(
-            "log-probs",
-            f"{lp['tokens']:,} output tokens: mean |d| {lp['mean_abs_logprob_diff']:.2e}, "
-            f"max {lp['max_abs_logprob_diff']:.2e}",
-        )
-        head.add_row(
-            "KL(A || B)",
-            f"k3 {lp['kl_k3']:.3e}, k1 {lp['kl_k1']:.3e} (estimated on A's tokens)",
-        )
-        head.add_row(
-            "ratio > 2",
-            f"{_pct(lp['ratio_above_2'])} of tokens (probability changed by over 2x either way)",
-        )
+        _add_logprob_rows(head, lp)
     for w in d["warnings"]:
         head.add_row("[yellow]note[/yellow]", w)
     if req["only_in_a_ids"]:
         head.add_row("only in A", ", ".join(req["only_in_a_ids"]))
     if req["only_in_b_ids"]:
         head.add_row("only in B", ", ".join(req["only_in_b_ids"]))
-    console.print(head)
+    return head
 
+
+def _add_logprob_rows(head: Table, lp: dict) -> None:
+    """The drift of the output log-probabilities, when both traces hold them."""
+    head.add_row(
+        "log-probs",
+        f"{lp['tokens']:,} output tokens: mean |d| {lp['mean_abs_logprob_diff']:.2e}, "
+        f"max {lp['max_abs_logprob_diff']:.2e}",
+    )
+    head.add_row(
+        "KL(A || B)",
+        f"k3 {lp['kl_k3']:.3e}, k1 {lp['kl_k1']:.3e} (estimated on A's tokens)",
+    )
+    head.add_row(
+        "ratio > 2",
+        f"{_pct(lp['ratio_above_2'])} of tokens (probability changed by over 2x either way)",
+    )
+
+
+def _layer_table(layers: list[dict]) -> Table:
+    """Per MoE layer: how often its top-k set and top-1 differ, and where tokens first differ."""
     t = Table(title="per layer", box=box.SIMPLE_HEAVY)
     for name in (
         "layer",
@@ -185,7 +203,7 @@ def render_diff(console: Console, d: dict, limit: int) -> None:
         "first to differ",
     ):
         t.add_column(name, justify="right")
-    for x in d["layers"]:
+    for x in layers:
         t.add_row(
             str(x["layer"]),
             f"{x['set_differs']:,}",
@@ -194,33 +212,36 @@ def render_diff(console: Console, d: dict, limit: int) -> None:
             "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
             f"{x['first_differing']:,}",
         )
-    console.print(t)
+    return t
 
-    hist = d["layers_differing_histogram"]
+
+def _token_table(hist: list[int]) -> Table:
+    """Tokens by how many layers' sets differ (rows with none left out)."""
     h = Table(title="per token", box=box.SIMPLE_HEAVY)
     h.add_column("layers differing", justify="right")
     h.add_column("tokens", justify="right")
     for n, count in enumerate(hist):
         if count:
             h.add_row(str(n), f"{count:,}")
-    console.print(h)
+    return h
 
-    details = d["request_detail"]
-    if details:
-        headers = ("compared", "left out", "diverge at", "tokens differ", "first", "Jaccard")
-        cells = [
-            (
-                x["id"],
-                [
-                    f"{x['compared_rows']:,}",
-                    f"{x['excluded_rows']:,}",
-                    "-" if x["tokens_diverge_at"] is None else str(x["tokens_diverge_at"]),
-                    f"{x['tokens_with_difference']:,}",
-                    "-" if x["first_differing_token"] is None else str(x["first_differing_token"]),
-                    "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
-                ],
-            )
-            for x in details[: limit or None]
-        ]
-        columns = [(h, "right") for h in headers]
-        console.print(id_table("requests that differ", console.width, columns, cells))
+
+def _request_table(details: list[dict], width: int) -> Table:
+    """The requests that differ, one row each, as ``diff_traces`` details them."""
+    headers = ("compared", "left out", "diverge at", "tokens differ", "first", "Jaccard")
+    cells = [
+        (
+            x["id"],
+            [
+                f"{x['compared_rows']:,}",
+                f"{x['excluded_rows']:,}",
+                "-" if x["tokens_diverge_at"] is None else str(x["tokens_diverge_at"]),
+                f"{x['tokens_with_difference']:,}",
+                "-" if x["first_differing_token"] is None else str(x["first_differing_token"]),
+                "-" if x["mean_jaccard"] is None else f"{x['mean_jaccard']:.4f}",
+            ],
+        )
+        for x in details
+    ]
+    columns = [(h, "right") for h in headers]
+    return id_table("requests that differ", width, columns, cells)

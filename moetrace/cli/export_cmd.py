@@ -90,41 +90,12 @@ def export_command(
 
     Example: moetrace export t.h5 | head -1 | jq .shape
     """
-    from moetrace.analysis.export import (
-        BINARY_FORMATS,
-        DTYPES,
-        LOAD_FORMATS,
-        Layout,
-        check_array,
-        check_format,
-        format_for_output,
-    )
-    from moetrace.analysis.load import PARTS, select_positions
+    from moetrace.analysis.export import Layout, check_array, check_format
+    from moetrace.analysis.load import select_positions
 
-    try:
-        fmt = format_for_output(fmt, output)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--format'") from None
-    if dtype not in DTYPES:
-        raise MoetraceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    check_format(fmt, 1)
-    if fmt != "npy" and array != "routed_experts":
-        raise typer.BadParameter(
-            f"applies to --format npy (the {fmt} format holds every array)", param_hint="'--array'"
-        )
-    if fmt not in LOAD_FORMATS and (part != "all" or window_tokens is not None):
-        raise MoetraceError("--part and --window-tokens apply to --format eplb and eplb-npy")
-    if part not in PARTS:
-        raise MoetraceError(f"--part must be one of {', '.join(PARTS)}, got {part!r}")
-    if window_tokens is not None and window_tokens < 1:
-        raise MoetraceError(f"--window-tokens must be at least 1, got {window_tokens}")
+    fmt = _checked_format(fmt, output, dtype, array, part, window_tokens)
     to_stdout = output == STDOUT
-    if to_stdout:
-        if fmt in BINARY_FORMATS:
-            refuse_binary_terminal(fmt, sys.stdout)
-    else:
-        check_not_an_input(output, [("the trace being exported", trace_path)])
-        check_new_output(output, overwrite=overwrite)
+    _check_output(output, fmt, trace_path, overwrite=overwrite)
     with unchecked_read_advice(), open_trace(trace_path, verify=not no_verify_checksums) as trace:
         note_if_being_written(trace)
         rows_layout = Layout.of(trace, layout)
@@ -143,6 +114,45 @@ def export_command(
             raise
         except OSError as exc:
             raise MoetraceError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _checked_format(
+    fmt: str | None, output: str, dtype: str, array: str, part: str, window_tokens: int | None
+) -> str:
+    """The format (given, or from OUTPUT's name), once the options that go with it check out."""
+    from moetrace.analysis.export import DTYPES, LOAD_FORMATS, check_format, format_for_output
+    from moetrace.analysis.load import PARTS
+
+    try:
+        fmt = format_for_output(fmt, output)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--format'") from None
+    if dtype not in DTYPES:
+        raise MoetraceError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_format(fmt, 1)
+    if fmt != "npy" and array != "routed_experts":
+        raise typer.BadParameter(
+            f"applies to --format npy (the {fmt} format holds every array)", param_hint="'--array'"
+        )
+    if fmt not in LOAD_FORMATS and (part != "all" or window_tokens is not None):
+        raise MoetraceError("--part and --window-tokens apply to --format eplb and eplb-npy")
+    if part not in PARTS:
+        raise MoetraceError(f"--part must be one of {', '.join(PARTS)}, got {part!r}")
+    if window_tokens is not None and window_tokens < 1:
+        raise MoetraceError(f"--window-tokens must be at least 1, got {window_tokens}")
+    return fmt
+
+
+def _check_output(output: str, fmt: str, trace_path: Path, *, overwrite: bool) -> None:
+    """Before the trace is read: binary never to a terminal, a file only as any output may be."""
+    from moetrace.analysis.export import BINARY_FORMATS
+
+    if output == STDOUT:
+        if fmt in BINARY_FORMATS:
+            refuse_binary_terminal(fmt, sys.stdout)
+    else:
+        check_not_an_input(output, [("the trace being exported", trace_path)])
+        check_new_output(output, overwrite=overwrite)
 
 
 def _write(fmt: str, trace, what: tuple, path: Path | None) -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
 from moetrace.errors import MoetraceError
+
+if TYPE_CHECKING:  # the importers load only when the command runs
+    from moetrace.analysis.importers import Importer, ModelShape
 
 
 def import_command(
@@ -56,10 +60,8 @@ def import_command(
 
     Example: moetrace import vllm_out.jsonl --model ~/models/Qwen3-30B-A3B -o vllm.h5
     """
-    from moetrace.analysis.importers import ENGINES, Importer, model_shape, read_values, sequences
-    from moetrace.output_files import check_new_output, check_not_an_input, replacing
-    from moetrace.trace.lock import TraceLock
-    from moetrace.trace.writer import TraceWriter
+    from moetrace.analysis.importers import ENGINES, Importer, model_shape
+    from moetrace.output_files import check_new_output, check_not_an_input
 
     if engine not in ENGINES:
         raise MoetraceError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -74,9 +76,34 @@ def import_command(
         name=name,
     )
     importer = Importer(shape, allow_missing_tokens=allow_missing_tokens, layout=layout)
+    _write_trace(output, shape, dtype, importer, responses, engine)
+    note = f", dropped a trailing row in {importer.trimmed}" if importer.trimmed else ""
+    Console(stderr=True).print(
+        f"[green]wrote[/green] {output}: {importer.count} requests from "
+        f"{', '.join(sorted(importer.engines))} responses{note}",
+        highlight=False,
+    )
+
+
+def _write_trace(
+    output: Path,
+    shape: ModelShape,
+    dtype: str,
+    importer: Importer,
+    responses: list[str],
+    engine: str,
+) -> None:
+    """Every response's sequences through ``importer`` into a trace at ``output``.
+
+    Written beside OUTPUT and renamed over it only when every response went in: a bad
+    response file must not cost the user the trace that --overwrite was to replace.
+    """
+    from moetrace.analysis.importers import read_values, sequences
+    from moetrace.output_files import replacing
+    from moetrace.trace.lock import TraceLock
+    from moetrace.trace.writer import TraceWriter
+
     settings = {"imported_from": [str(p) for p in responses], "engine": engine}
-    # Written beside OUTPUT and renamed over it only when every response went in: a bad
-    # response file must not cost the user the trace that --overwrite was to replace.
     lock = TraceLock(output).acquire()
     try:
         with replacing(output) as temporary:
@@ -94,9 +121,3 @@ def import_command(
                 writer.close(complete=ok)
     finally:
         lock.release()
-    note = f", dropped a trailing row in {importer.trimmed}" if importer.trimmed else ""
-    Console(stderr=True).print(
-        f"[green]wrote[/green] {output}: {importer.count} requests from "
-        f"{', '.join(sorted(importer.engines))} responses{note}",
-        highlight=False,
-    )

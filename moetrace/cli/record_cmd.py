@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +20,8 @@ from moetrace.cli.progress_lines import DEFAULT_INTERVAL_S, ProgressLines, check
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the engine (and torch) load only when a recording runs
-    from moetrace.runs.recording import Recording, RecordResult
+    from moetrace.distributed.state import ParallelConfig
+    from moetrace.runs.recording import Recording, RecordResult, SamplingDefaults
     from moetrace.signals import GracefulStop
 
 
@@ -94,49 +97,90 @@ def record_command(
 
     Example: moetrace record demo prompts.jsonl -o trace.h5
     """
-    # Before the engine's imports (seconds): what the options alone refuse.
-    check_interval(log_stats_interval)
-    engine.check()
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    _check_sampling(given, engine.seed)
-    check_before_loading(
-        device=engine.device, dtype=engine.dtype, output=output, overwrite=overwrite, resume=resume
-    )
-    from moetrace.engine.launch import TensorParallelDriver, worker_spec
+    _check_options(engine, given, log_stats_interval, output, overwrite=overwrite, resume=resume)
     from moetrace.inputs.shards import check_shard_args
-    from moetrace.runs.recording import Recording, SamplingDefaults
-    from moetrace.runs.setup import generation_defaults
-    from moetrace.signals import GracefulStop, set_exit_context, signal_name
+    from moetrace.runs.recording import Recording
 
     check_shard_args(num_shards, shard_index)
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
     run = engine.run_options(model, parallel, capture_weights=record_weights)
-    defaults, defaults_file = generation_defaults(run.model, generation_config)
-    sampling = SamplingDefaults.resolve(
-        given, defaults, defaults_file, ignore_eos=ignore_eos, logprobs=logprobs
+    sampling = _sampling(run.model, generation_config, given, ignore_eos, logprobs)
+    new_recording = functools.partial(
+        Recording,
+        run,
+        prompts,
+        output,
+        sampling=sampling,
+        overwrite=overwrite,
+        skip_invalid=skip_invalid,
+        resume=resume,
+        flush_interval_s=flush_interval,
+        flush_every_requests=flush_every,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        ignore_unknown_fields=ignore_unknown_fields,
     )
     console = Console(stderr=True)
+    recording, result, stop = _record(
+        new_recording, parallel, engine.device, console, quiet, log_stats_interval
+    )
+    _report(recording, result, sampling, console, quiet=quiet)
+    _exit_if_stopped(stop, output)
+
+
+def _check_options(
+    engine: opts.EngineArgs,
+    given: dict,
+    log_stats_interval: float,
+    output: Path,
+    *,
+    overwrite: bool,
+    resume: bool,
+) -> None:
+    """What the options alone refuse, before the engine's imports (seconds) are paid."""
+    check_interval(log_stats_interval)
+    engine.check()
+    _check_sampling(given, engine.seed)
+    check_before_loading(
+        device=engine.device, dtype=engine.dtype, output=output, overwrite=overwrite, resume=resume
+    )
+
+
+def _sampling(
+    model: str, generation_config: str, given: dict, ignore_eos: bool, logprobs: bool
+) -> SamplingDefaults:
+    """The options given over the model's generation config: what a line without its own gets."""
+    from moetrace.runs.recording import SamplingDefaults
+    from moetrace.runs.setup import generation_defaults
+
+    defaults, defaults_file = generation_defaults(model, generation_config)
+    return SamplingDefaults.resolve(
+        given, defaults, defaults_file, ignore_eos=ignore_eos, logprobs=logprobs
+    )
+
+
+def _record(
+    new_recording: Callable[[], Recording],
+    parallel: ParallelConfig,
+    device: str,
+    console: Console,
+    quiet: bool,
+    log_stats_interval: float,
+) -> tuple[Recording, RecordResult, GracefulStop]:
+    """Make the recording and run it to the end, under the signal guard and beside any
+    tensor-parallel workers; a stop signal ends it early with the trace closed."""
+    from moetrace.engine.launch import TensorParallelDriver, worker_spec
+    from moetrace.signals import GracefulStop, set_exit_context
+
     with (
         GracefulStop() as stop,
-        TensorParallelDriver(parallel, engine.device) as driver,
+        TensorParallelDriver(parallel, device) as driver,
         trace_run_errors(),
     ):
-        recording = Recording(
-            run,
-            prompts,
-            output,
-            sampling=sampling,
-            overwrite=overwrite,
-            skip_invalid=skip_invalid,
-            resume=resume,
-            flush_interval_s=flush_interval,
-            flush_every_requests=flush_every,
-            num_shards=num_shards,
-            shard_index=shard_index,
-            ignore_unknown_fields=ignore_unknown_fields,
-        )
+        recording = new_recording()
         driver.start(worker_spec(recording))  # tensor parallel: workers load beside rank 0
         if quiet:
             result = recording.run(stop=stop)
@@ -144,7 +188,19 @@ def record_command(
             result = _run_with_progress(recording, console, stop)
         else:
             result = _run_with_lines(recording, log_stats_interval, stop)
-        set_exit_context(f"after {output} was written and closed (it is complete)")
+        set_exit_context(_after_written(recording.output))
+    return recording, result, stop
+
+
+def _report(
+    recording: Recording,
+    result: RecordResult,
+    sampling: SamplingDefaults,
+    console: Console,
+    *,
+    quiet: bool,
+) -> None:
+    """The result line; unless quiet, the start-up breakdown and the sampling used; notes."""
     _summarise(result, console, startup=not quiet)
     if not quiet:
         console.print(sampling.describe(), highlight=False, soft_wrap=True)
@@ -156,14 +212,24 @@ def record_command(
             highlight=False,
             soft_wrap=True,
         )
-    if stop.signum is not None:  # arrived after the last request was written: nothing was lost
+
+
+def _exit_if_stopped(stop: GracefulStop, output: Path) -> None:
+    """A signal that came after the last request was written: nothing lost, but exit as it asks."""
+    from moetrace.signals import signal_name
+
+    if stop.signum is not None:
         print(
-            f"error: interrupted by {signal_name(stop.signum)} after {output} was written and "
-            "closed (it is complete)",
+            f"error: interrupted by {signal_name(stop.signum)} {_after_written(output)}",
             file=sys.stderr,
             flush=True,
         )
         raise typer.Exit(128 + stop.signum)
+
+
+def _after_written(output: Path) -> str:
+    """When a late signal came: the trace is whole, so the message says so."""
+    return f"after {output} was written and closed (it is complete)"
 
 
 def _check_sampling(given: dict, seed: int) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from moetrace.cli import engine_options as opts
 from moetrace.cli.serve_options import GuardArgs, with_guard_options
 from moetrace.errors import MoetraceError, install_extra
+
+if TYPE_CHECKING:  # the server (and torch) load only when it starts
+    from moetrace.serving.server import Server, ServeResult
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -91,28 +95,13 @@ def serve_command(
     """
     from moetrace.engine.launch import TensorParallelDriver, worker_spec
 
-    try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        raise MoetraceError(f"moetrace serve needs {exc.name}: {install_extra('serve')}") from None
+    _require_serve_extra()
     from moetrace.serving.server import Server
-    from moetrace.trace.writer import unclosed_traces
 
-    if uvicorn_log_level not in LOG_LEVELS:
-        raise typer.BadParameter(
-            f"{uvicorn_log_level!r} is not one of {', '.join(LOG_LEVELS)}",
-            param_hint="--uvicorn-log-level",
-        )
-    if not 0 <= port <= 65535:
-        raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
+    _check_listen_options(uvicorn_log_level, port)
     access = guard.access()
     engine.check()
-    if enable_weight_updates and (engine.tensor_parallel_size or 1) > 1:
-        raise MoetraceError(
-            "--enable-weight-updates with --tensor-parallel-size above 1 is not supported yet: "
-            "the worker ranks would have to join the trainer's group too"
-        )
+    _check_weight_updates(enable_weight_updates, engine)
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
@@ -140,16 +129,58 @@ def serve_command(
             weight_update_timeout_s=weight_update_timeout,
         )
         driver.start(worker_spec(server))
-        try:
-            result = server.run()
-        except KeyboardInterrupt:  # Ctrl-C while loading: nothing served yet
-            print("interrupted before serving", file=sys.stderr)
-            raise typer.Exit(130) from None
-        except MoetraceError as exc:
-            if unclosed_traces():  # HDF5 is wedged: a normal exit would crash inside it
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-                os._exit(1)
-            raise
+        result = _serve(server)
+    _print_served(result)
+
+
+def _require_serve_extra() -> None:
+    """The HTTP side's packages are an extra: say how to install them, not an ImportError."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise MoetraceError(f"moetrace serve needs {exc.name}: {install_extra('serve')}") from None
+
+
+def _check_listen_options(uvicorn_log_level: str, port: int) -> None:
+    """uvicorn's log level and the port, refused as usage errors before the model loads."""
+    if uvicorn_log_level not in LOG_LEVELS:
+        raise typer.BadParameter(
+            f"{uvicorn_log_level!r} is not one of {', '.join(LOG_LEVELS)}",
+            param_hint="--uvicorn-log-level",
+        )
+    if not 0 <= port <= 65535:
+        raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
+
+
+def _check_weight_updates(enable_weight_updates: bool, engine: opts.EngineArgs) -> None:
+    """Weight updates reach rank 0 only, so they are refused with tensor parallelism."""
+    if enable_weight_updates and (engine.tensor_parallel_size or 1) > 1:
+        raise MoetraceError(
+            "--enable-weight-updates with --tensor-parallel-size above 1 is not supported yet: "
+            "the worker ranks would have to join the trainer's group too"
+        )
+
+
+def _serve(server: Server) -> ServeResult:
+    """Serve until a stop signal; an interrupt while loading, or an error that leaves HDF5
+    wedged, ends the process here rather than in a traceback."""
+    from moetrace.trace.writer import unclosed_traces
+
+    try:
+        return server.run()
+    except KeyboardInterrupt:  # Ctrl-C while loading: nothing served yet
+        print("interrupted before serving", file=sys.stderr)
+        raise typer.Exit(130) from None
+    except MoetraceError as exc:
+        if unclosed_traces():  # HDF5 is wedged: a normal exit would crash inside it
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            os._exit(1)
+        raise
+
+
+def _print_served(result: ServeResult) -> None:
+    """The closing line on standard error: why it stopped and what it served."""
     trace = f"; trace {result.trace} closed" if result.trace else ""
     print(
         f"{result.stopped_by}: served {result.requests} requests ({result.output_tokens:,} output "

@@ -147,6 +147,7 @@ class Replay:
     def run(
         self, progress: ProgressCallback | None = None, stop: GracefulStop | None = None
     ) -> ReplayResult:
+        """Replay every request of the trace into the new trace, then diff the two."""
         clock = time.perf_counter()
         ready = load_engine(self)
         engine = ready.engine
@@ -168,35 +169,9 @@ class Replay:
         writer.start()
         start = time.perf_counter()
         complete, end_reason, interrupted = False, "error", None
-        originals: dict[str, TraceRequest] = {}
         try:
-            with open_trace(self.trace_path) as source:
-                pending = iter(source)
-                window = max(2 * self.engine_config.max_num_seqs, 64)
-                exhausted = False
-                while not stop.requested:
-                    while not exhausted and engine.num_unfinished < window:
-                        req = next(pending, None)
-                        if req is None:
-                            exhausted = True
-                        elif not self._submit(engine, req, originals):
-                            self._write(writer, result, self._replayed(req, None))
-                    if not engine.has_unfinished():
-                        if exhausted:
-                            break
-                        continue
-                    for done in engine.step():
-                        self._write(
-                            writer, result, self._replayed(originals.pop(done.request_id), done)
-                        )
-                    if progress is not None:
-                        result.elapsed_s = time.perf_counter() - start
-                        progress(result, self.total)
-            interrupted = stop.signum if stop.requested else None
-            complete = interrupted is None
-            end_reason = "complete" if complete else f"interrupted by {signal_name(interrupted)}"
-            if complete and not self.source_complete:  # it holds no more than its source
-                complete, end_reason = False, f"replay of an incomplete trace ({self.trace_path})"
+            self._replay_requests(engine, writer, result, stop, progress, start)
+            complete, end_reason, interrupted = self._ending(stop)
         except BaseException as exc:
             end_reason = f"error: {' '.join(str(exc).split())[:300]}"
             raise
@@ -209,6 +184,58 @@ class Replay:
                 f"interrupted by {signal_name(stop.signum)}: {self.output} holds "
                 f"{writer.flushed_requests} replayed requests; marked incomplete",
             )
+        self._attach_report(result, metadata.dtype, complete, clock)
+        return result
+
+    def _replay_requests(
+        self,
+        engine: LLMEngine,
+        writer: TraceWriter,
+        result: ReplayResult,
+        stop: GracefulStop,
+        progress: ProgressCallback | None,
+        start: float,
+    ) -> None:
+        """Feed the trace's requests to the engine a window ahead and write each as it
+        finishes, until the trace runs out or a stop is asked for."""
+        originals: dict[str, TraceRequest] = {}
+        with open_trace(self.trace_path) as source:
+            pending = iter(source)
+            window = max(2 * self.engine_config.max_num_seqs, 64)
+            exhausted = False
+            while not stop.requested:
+                while not exhausted and engine.num_unfinished < window:
+                    req = next(pending, None)
+                    if req is None:
+                        exhausted = True
+                    elif not self._submit(engine, req, originals):
+                        self._write(writer, result, self._replayed(req, None))
+                if not engine.has_unfinished():
+                    if exhausted:
+                        break
+                    continue
+                for done in engine.step():
+                    self._write(
+                        writer, result, self._replayed(originals.pop(done.request_id), done)
+                    )
+                if progress is not None:
+                    result.elapsed_s = time.perf_counter() - start
+                    progress(result, self.total)
+
+    def _ending(self, stop: GracefulStop) -> tuple[bool, str, int | None]:
+        """Whether the new trace is complete, the end reason it records, and the signal
+        that interrupted it (None: none did)."""
+        interrupted = stop.signum if stop.requested else None
+        complete = interrupted is None
+        end_reason = "complete" if complete else f"interrupted by {signal_name(interrupted)}"
+        if complete and not self.source_complete:  # it holds no more than its source
+            complete, end_reason = False, f"replay of an incomplete trace ({self.trace_path})"
+        return complete, end_reason, interrupted
+
+    def _attach_report(
+        self, result: ReplayResult, dtype: str, complete: bool, clock: float
+    ) -> None:
+        """The diff of the two traces, with what this replay ran, into ``result.report``."""
         with open_trace(self.trace_path) as a, open_trace(self.output) as b:
             result.report = diff_traces(a, b)
         result.complete = complete
@@ -219,13 +246,12 @@ class Replay:
             )
         result.report["replay"] = {
             "model": self.model.name,
-            "dtype": metadata.dtype,
+            "dtype": dtype,
             "device": self.device.type,
             "force_routing": self.force_routing,
             "moetrace_version": __version__,
             "seconds": time.perf_counter() - clock,
         }
-        return result
 
     def _submit(self, engine: LLMEngine, req: TraceRequest, originals: dict) -> bool:
         """Queue ``req`` as a scoring request; False when it has no token to run."""
