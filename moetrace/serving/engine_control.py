@@ -28,10 +28,10 @@ import torch
 from moetrace.distributed.update_group import UpdateGroup, UpdateGroupError
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.engine.memory_release import TAGS, WEIGHTS, MemoryRelease
+from moetrace.engine.tensor_ipc import named_tensors
 from moetrace.engine.weight_update import TensorSpec, WeightUpdater, parse_dtype
 from moetrace.errors import MoetraceError
 from moetrace.models.source import resolve_model
-from moetrace.serving.tensor_ipc import named_tensors
 from moetrace.trace.records import FinishedRequest
 
 DEFAULT_VERSION = "default"  # SGLang's and vLLM's label before any update
