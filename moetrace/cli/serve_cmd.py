@@ -108,11 +108,6 @@ def serve_command(
         raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
     access = guard.access()
     engine.check()
-    if enable_weight_updates and (engine.tensor_parallel_size or 1) > 1:
-        raise MoetraceError(
-            "--enable-weight-updates with --tensor-parallel-size above 1 is not supported yet: "
-            "the worker ranks would have to join the trainer's group too"
-        )
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
