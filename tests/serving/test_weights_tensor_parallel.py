@@ -191,6 +191,45 @@ def test_a_broadcast_the_model_cannot_take_changes_no_rank(server, checkpoints, 
     assert_serves(server, recorded["demo"], "0")
 
 
+def test_a_trainer_that_dies_mid_update_leaves_old_weights_and_no_group(
+    server, checkpoints, recorded
+):
+    load_from_disk(server, checkpoints["demo"], "0")
+    specs = specs_of(load_tensors(checkpoints["v2"]))[:20]
+    body = {
+        "names": [s[0] for s in specs],
+        "dtypes": [s[1] for s in specs],
+        "shapes": [s[2] for s in specs],
+        "group_name": "dies",
+    }
+    trainer = Trainer(checkpoints["v2"], world_size=3, group="dies")
+    try:
+        assert post(server, "/init_weights_update_group", trainer.init_payload()).json()["success"]
+        trainer.expect("joined")
+        thread, out = in_thread(lambda: post(server, "/update_weights_from_distributed", body))
+        trainer.send(specs, die_after=5)
+        thread.join(120)
+        answer = out["answer"]
+        assert answer.status_code == 400, answer.text
+        assert "broadcast from the trainer over group" in answer.json()["message"]
+    finally:
+        trainer.close()
+    assert_serves(server, recorded["demo"], "0")
+    again = post(server, "/update_weights_from_distributed", body)
+    assert "no weight update group" in again.json()["message"]  # every rank left it
+    # Had a worker kept it, the ranks would disagree on whether "dies" can be joined again.
+    trainer = Trainer(checkpoints["v2"], world_size=3, group="dies")
+    try:
+        joined = post(server, "/init_weights_update_group", trainer.init_payload())
+        assert joined.json()["success"], joined.text
+        trainer.expect("joined")
+        assert post(server, "/destroy_weights_update_group", {"group_name": "dies"}).json()[
+            "success"
+        ]
+    finally:
+        trainer.close()
+
+
 def test_tensors_come_one_payload_per_rank(server, checkpoints, recorded):
     load_from_disk(server, checkpoints["demo"], "0")
     names = sorted(n for n in load_tensors(checkpoints["v2"]) if "mlp.gate." in n)
