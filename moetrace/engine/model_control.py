@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -246,12 +247,12 @@ class ModelControl:
             raise ControlRefused(f"no weight update group {name!r} to destroy")
         group.leave()
 
-    def _check_disk(self, path: str):
+    def _check_disk(self, path: str) -> Path:
         source = resolve_model(path)  # a directory, a cached model id, or demo
         self.updater.check_checkpoint(source)
         return source.path
 
-    def _load_disk(self, path) -> bool:
+    def _load_disk(self, path: Path) -> bool:
         try:
             return self.updater.load_checkpoint(path, self.engine.device)
         except (MoetraceError, OSError, RuntimeError) as exc:
