@@ -101,7 +101,6 @@ def serve_command(
     _check_listen_options(uvicorn_log_level, port)
     access = guard.access()
     engine.check()
-    _check_weight_updates(enable_weight_updates, engine)
     parallel = engine.parallel()
     if parallel is None:  # a torchrun worker: it ran rank 0's steps
         return
@@ -151,15 +150,6 @@ def _check_listen_options(uvicorn_log_level: str, port: int) -> None:
         )
     if not 0 <= port <= 65535:
         raise typer.BadParameter(f"{port} is not a port (0-65535)", param_hint="--port")
-
-
-def _check_weight_updates(enable_weight_updates: bool, engine: opts.EngineArgs) -> None:
-    """Weight updates reach rank 0 only, so they are refused with tensor parallelism."""
-    if enable_weight_updates and (engine.tensor_parallel_size or 1) > 1:
-        raise MoetraceError(
-            "--enable-weight-updates with --tensor-parallel-size above 1 is not supported yet: "
-            "the worker ranks would have to join the trainer's group too"
-        )
 
 
 def _serve(server: Server) -> ServeResult:

@@ -132,6 +132,13 @@ class Collectives:
             return obj
         return pickle.loads(payload.numpy().tobytes())
 
+    def gather_objects(self, obj: object) -> list:
+        """Every rank's host object, in rank order, on every rank (over the cpu group): how
+        the ranks agree on a verdict before acting on it."""
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def release(self) -> None:
         """Drop the groups before they are destroyed.
 

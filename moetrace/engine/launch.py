@@ -112,10 +112,12 @@ def leave_group() -> None:
 
 # ------------------------------------------------------------------ workers
 def serve_worker(state: ParallelState) -> int:
-    """Wait for rank 0's spec, load this rank's slice, run steps until told to stop."""
+    """Wait for rank 0's spec, load this rank's slice, run steps (and the control calls that
+    touch the model) until told to stop."""
     from moetrace.distributed.sharding import load_model_for_rank
     from moetrace.engine.cpu_threads import configure_cpu_threads
     from moetrace.engine.llm_engine import LLMEngine
+    from moetrace.engine.model_control import ModelControl
     from moetrace.engine.step_sync import serve_steps
 
     spec = state.comm.broadcast_object()
@@ -130,7 +132,9 @@ def serve_worker(state: ParallelState) -> int:
     )
     configure_cpu_threads(loaded.model, state.device)  # as rank 0's Recording does
     engine = LLMEngine(loaded.model, spec.engine, state.device)
-    return serve_steps(engine.runner, state)
+    # A server's weight updates and memory release reach this rank between steps.
+    control = ModelControl(engine, parallel=state)
+    return serve_steps(engine.runner, state, control.follow)
 
 
 def run_torchrun_worker(parallel: ParallelConfig, device: str) -> None:

@@ -8,12 +8,18 @@ forward (the all-reduces inside pair up in the same order); rank 0 samples
 and broadcasts the sampled ids on the device, where a worker's next step
 picks up its placeholder tokens without a host round trip.  A ``None``
 message ends the workers' loop.
+
+Between two steps rank 0 may send a ``ControlMessage`` instead: a trainer's
+call that touches every rank's model (new weights, its update group, memory
+release), which each worker carries out on its own slice
+(``engine/model_control.py``) before it waits for the next message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -55,6 +61,15 @@ class StepMessage:
     @property
     def num_sampled(self) -> int:
         return int(self.plan.logits_rows.shape[0])
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """A control call every rank carries out at this step boundary (a plain record), and how
+    long a worker waits on the trainer's group for it."""
+
+    call: Any
+    timeout_s: float
 
 
 def publish_step(state: ParallelState, plan: StepPlan, fill: FillIndex | None) -> None:
@@ -104,13 +119,23 @@ def run_worker_step(
     return state.comm.broadcast_(sampled)
 
 
-def serve_steps(runner: StepRunner, state: ParallelState) -> int:
-    """A worker's loop: run each step rank 0 sends until it sends ``None``; returns the count."""
+def serve_steps(
+    runner: StepRunner,
+    state: ParallelState,
+    on_control: Callable[[ControlMessage], None] | None = None,
+) -> int:
+    """A worker's loop: run each step rank 0 sends until it sends ``None``, and each control
+    call with ``on_control``; returns the count of steps."""
     previous: torch.Tensor | None = None
     steps = 0
     while True:
         message = state.comm.broadcast_object()
         if message is None:
             return steps
+        if isinstance(message, ControlMessage):
+            if on_control is None:
+                raise RuntimeError("rank 0 sent a control call to a worker that takes none")
+            on_control(message)
+            continue
         previous = run_worker_step(runner, state, message, previous)
         steps += 1

@@ -71,8 +71,8 @@ class WeightUpdater:
             raise MoetraceError("the model was not built from a config.json: no weight updates")
         self.model = model
         self.dtype = next(model.parameters()).dtype
-        self.expected = model.expected_weight_names()
         self._twin: MoEForCausalLM | None = None
+        self._expected: set[str] | None = None
 
     @property
     def twin(self) -> MoEForCausalLM:
@@ -81,6 +81,14 @@ class WeightUpdater:
             config = self.model.hf_config or {}
             self._twin = instantiate(config, "weight update", self.dtype, torch.device("meta"))
         return self._twin
+
+    @property
+    def expected(self) -> set[str]:
+        """Every tensor name of the whole model: under expert parallelism a rank takes the
+        names of experts it does not hold too, and skips them when copying."""
+        if self._expected is None:
+            self._expected = self.twin.expected_weight_names()
+        return self._expected
 
     # ---------------------------------------------------------------- checks
     def check(self, specs: Sequence[TensorSpec]) -> None:
@@ -135,7 +143,8 @@ class WeightUpdater:
 
     # ---------------------------------------------------------------- copies
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> bool:
-        """Copy checked tensors into the model; True if a CUDA graph must be re-captured."""
+        """Copy checked tensors into the model (a tensor-parallel rank keeps its slice, and
+        skips what it does not hold); True if a CUDA graph must be re-captured."""
         before = _wide_scales(self.model)
         with torch.no_grad():
             for name, tensor in named:

@@ -84,6 +84,8 @@ class ServingContext:
     metrics: ServerMetrics | None = None
     enable_weight_updates: bool = False  # the trainer's control routes exist
     dtype: str = "auto"  # --dtype as given (SGLang's server info reports it)
+    # Ranks that serve: a trainer's update group counts each (SGLang's tp_size, vLLM's world_size).
+    tensor_parallel_size: int = 1
 
     @property
     def model_name(self) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 import uvicorn
 
 from moetrace import __version__, envs
+from moetrace.distributed.state import get_parallel_state
 from moetrace.engine.heap import freeze_start_up_heap
 from moetrace.engine.llm_engine import LLMEngine
 from moetrace.errors import MoetraceError
@@ -391,6 +392,7 @@ class Server:
             metrics=metrics,
             enable_weight_updates=self.enable_weight_updates,
             dtype=self.dtype,
+            tensor_parallel_size=getattr(get_parallel_state(), "size", 1),
         )
 
     async def _serve(

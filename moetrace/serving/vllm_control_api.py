@@ -145,7 +145,8 @@ async def weight_info(http: HttpRequest) -> Response:
 
 async def get_world_size(http: HttpRequest) -> Response:
     query_flag(http, "include_dp", True)
-    return JSONResponse({"world_size": 1})  # one rank serves (tensor parallelism refuses updates)
+    # Every rank joins the trainer's group: its world_size counts them all.
+    return JSONResponse({"world_size": context(http).tensor_parallel_size})
 
 
 async def sleep(http: HttpRequest) -> Response:

@@ -96,7 +96,7 @@ def test_mxfp4_experts_are_relaid_and_wide_scales_recapture(tmp_path):
 def test_cuda_ipc_tensors_from_a_process_on_the_same_gpu(qwen3):
     from support.tensor_sender import TensorSender
 
-    from moetrace.serving.tensor_ipc import named_tensors
+    from moetrace.engine.tensor_ipc import named_tensors
 
     a, b = qwen3
     names = sorted(load_file(str(b / "model.safetensors")))

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from moetrace.serving.tensor_ipc import TensorPayloadError, named_tensors
+from moetrace.engine.tensor_ipc import TensorPayloadError, named_tensors
 
 
 def encoded(obj) -> str:

@@ -83,12 +83,18 @@ def _is_dtype(name: str) -> bool:
 
 
 def named_tensors(
-    payloads: Sequence[bytes | str], load_format: str | None = None
+    payloads: Sequence[bytes | str], load_format: str | None = None, rank: int = 0
 ) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of this rank's payload (the first: one rank serves)."""
+    """The (name, tensor) pairs of tensor-parallel ``rank``'s payload (SGLang's rule: one
+    payload per rank, each on that rank's device)."""
     if not payloads:
         raise TensorPayloadError("serialized_named_tensors is empty")
-    raw = payloads[0]
+    if rank >= len(payloads):
+        raise TensorPayloadError(
+            f"serialized_named_tensors has {len(payloads)} entries: a server of tensor-parallel "
+            f"size {rank + 1} or more takes one per rank (rank {rank} has none)"
+        )
+    raw = payloads[rank]
     try:
         data = binascii.a2b_base64(raw) if isinstance(raw, str) else bytes(raw)
         obj = _TensorUnpickler(io.BytesIO(data)).load()
