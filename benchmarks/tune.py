@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from kernels import DEV, SMOKE, graphed, paged_batch, paged_metadata  # benchmarks/kernels.py
+from kernel_times import DEV, SMOKE, graphed, paged_batch, paged_metadata
 
 from moetrace.kernels import triton_attention as ta
 from moetrace.kernels import triton_mla as tk

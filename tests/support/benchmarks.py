@@ -14,8 +14,8 @@ def benchmark_module(name: str) -> ModuleType:
     """``benchmarks/<name>.py``, imported as its siblings import it.
 
     The folder is on ``sys.path`` only while it imports (the scripts put it there
-    themselves): left there, its ``kernels.py`` would answer transformers' probe for
-    the Hugging Face ``kernels`` package in every later test of the process.
+    themselves): left there, its bare-named scripts could answer an import of a
+    same-named package in every later test of the process.
     """
     saved = list(sys.path)
     sys.path.insert(0, str(BENCHMARKS))

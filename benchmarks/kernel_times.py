@@ -1,6 +1,6 @@
 """Time the CUDA kernels on the shapes that matter for moetrace's target models.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [SECTION-PREFIX ...]
+    PYTHONPATH=. python3 benchmarks/kernel_times.py [SECTION-PREFIX ...]
 
 Decode attention (batch 256, context 384) for Qwen3-30B-A3B (32 q / 4 kv heads,
 head_dim 128) and OLMoE-1B-7B (16 / 16, 128), plus prefill and small-batch
@@ -8,7 +8,7 @@ long-context shapes; KV store; fused MoE at T=256 (decode) and T=8192
 (prefill) for both models: Triton vs ``grouped_mm`` vs a naive per-expert
 torch loop, and a T sweep, eager and CUDA-graph replayed, that sets
 ``moe_forward``'s switch-over; gpt-oss-20b's attention with sinks and its MoE
-layer with bf16 and MXFP4 experts (``kernels.py gpt-oss``).
+layer with bf16 and MXFP4 experts (``kernel_times.py gpt-oss``).
 
 Times are ``triton.testing.do_bench`` medians.  "eager" times include the
 host's launch overhead whenever that exceeds the GPU time (as it would in the
@@ -504,7 +504,7 @@ def gpt_oss() -> None:
 
 def main() -> None:
     if not torch.cuda.is_available() and not SMOKE:
-        print("benchmarks/kernels.py needs CUDA", file=sys.stderr)
+        print("benchmarks/kernel_times.py needs CUDA", file=sys.stderr)
         sys.exit(1)
     torch.manual_seed(0)
     name = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
@@ -528,7 +528,7 @@ def main() -> None:
 def run_sections(sections: dict[str, Callable[[], None]], t0: float) -> None:
     """Run the sections the arguments pick, then print the summary table.
 
-    Optional arguments pick sections by prefix, in that order: `kernels.py moe` runs the MoE ones.
+    Optional arguments pick sections by prefix, in that order: `kernel_times.py moe` runs the MoE ones.
     """
     wanted = [a for a in sys.argv[1:] if not a.startswith("--")]
     order = [k for w in wanted for k in sections if k.startswith(w)] if wanted else list(sections)
