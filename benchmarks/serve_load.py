@@ -4,9 +4,10 @@ Starts a server (``--trace-out``), sends ``--requests`` requests from
 ``--clients`` concurrent clients (completions, chat and ``/generate``, a
 third streamed, ``--disconnect`` of the streams closed after their first
 chunk), samples the resident memory of the server and its engine process
-every second, then stops the server with SIGTERM and checks the trace:
-every request answered 200 is in it exactly once (by id), every hang-up is
-there as an abort or not at all.  Prints one JSON object.
+every second (reported as the mean of each tenth of the run), then stops
+the server with SIGTERM and checks the trace: every request answered 200 is
+in it exactly once (by id), every hang-up is there as an abort or not at
+all.  Prints one JSON object.
 
     python benchmarks/serve_load.py --model demo --device cpu --requests 2000 --clients 200
     python benchmarks/serve_load.py --model ~/models/OLMoE-1B-7B --device cuda --requests 10000
@@ -52,6 +53,13 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry.name))
     return out
+
+
+def by_tenth(values: list[float]) -> list[int]:
+    """The mean of each tenth of the run's samples: flat, or how it grows and where it stops."""
+    size = max(1, len(values) // 10)
+    return [round(sum(part) / len(part)) for i in range(0, len(values), size)
+            if (part := values[i:i + size])][:10]  # fmt: skip
 
 
 def start(args, trace: Path) -> tuple[subprocess.Popen, str]:
@@ -167,7 +175,6 @@ def main() -> None:
         records = {r.id: r.finish_reason for r in t}
     missing = [i for i in tally["ok"] if i not in records]
     hung = [records.get(i) for i in tally["hung_up"]]
-    tenth = max(1, len(samples) // 10)
     print(json.dumps({
         "requests": args.requests, "clients": args.clients, "elapsed_s": round(elapsed, 1),
         "ok": len(tally["ok"]), "errors": len(tally["errors"]), "error_examples": tally["errors"][:5],
@@ -175,10 +182,8 @@ def main() -> None:
         "hung_up_in_trace_as": {str(k): hung.count(k) for k in set(hung)},
         "answered_missing_from_trace": len(missing), "trace_records": len(records),
         "verify": report.status, "exit_code": code,
-        "rss_mb_server_first_last_tenth": [round(sum(s[1] for s in samples[:tenth]) / tenth),
-                                           round(sum(s[1] for s in samples[-tenth:]) / tenth)],
-        "rss_mb_engine_first_last_tenth": [round(sum(s[2] for s in samples[:tenth]) / tenth),
-                                           round(sum(s[2] for s in samples[-tenth:]) / tenth)],
+        "rss_mb_server_by_tenth": by_tenth([s[1] for s in samples]),
+        "rss_mb_engine_by_tenth": by_tenth([s[2] for s in samples]),
     }))  # fmt: skip
     os.remove(trace)
 
