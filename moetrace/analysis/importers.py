@@ -260,6 +260,7 @@ class EngineSequence:
     where: str
     prompt_len: int | None = None  # from usage counts, when ids are missing
     output_len: int | None = None
+    sample_index: int = 0  # the choice's index when the request sampled n > 1
     extra: dict = field(default_factory=dict)
 
 
@@ -337,8 +338,8 @@ def sequences(value, where: str, engine: str = "auto") -> list[EngineSequence]:
             raise MoetraceError(f"{where}: request {value['custom_id']!r} failed: {value['error']}")
         body = (value.get("response") or {}).get("body")
         seqs = sequences(body, where, engine)
-        for i, s in enumerate(seqs):
-            s.id = str(value["custom_id"]) + (f"/{i}" if len(seqs) > 1 else "")
+        for s in seqs:
+            s.id = str(value["custom_id"])
         return seqs
     kind = engine if engine != "auto" else _detect(value, where)
     return {"vllm": _vllm, "sglang": _sglang, "moetrace": _moetrace}[kind](value, where)
@@ -375,7 +376,7 @@ def _vllm(value: dict, where: str) -> list[EngineSequence]:
         rid = value.get("id")
         out.append(
             EngineSequence(
-                id=None if rid is None else str(rid) + (f"/{i}" if len(choices) > 1 else ""),
+                id=None if rid is None else str(rid),
                 prompt=prompt,
                 output=_ids(choice.get("token_ids"), at, "token_ids"),
                 routed=routed,
@@ -384,6 +385,7 @@ def _vllm(value: dict, where: str) -> list[EngineSequence]:
                 where=at,
                 prompt_len=usage.get("prompt_tokens"),
                 output_len=usage.get("completion_tokens") if len(choices) == 1 else None,
+                sample_index=i,
             )
         )
     return out
@@ -443,7 +445,7 @@ class Importer:
         self.count = 0
         self.trimmed = 0  # requests whose one extra trailing row was dropped
         self.engines: set[str] = set()
-        self._ids: set[str] = set()
+        self._ids: set[tuple[str, int]] = set()
 
     def request(self, seq: EngineSequence) -> FinishedRequest:
         prompt, output, unknown = self._tokens(seq)
@@ -463,9 +465,11 @@ class Importer:
         if unknown:
             extra["token_ids_unknown"] = True
         rid = seq.id if seq.id is not None else str(self.count)
-        if rid in self._ids:
-            raise MoetraceError(f"{seq.where}: request id {rid!r} appears twice")
-        self._ids.add(rid)
+        key = (rid, seq.sample_index)
+        if key in self._ids:
+            sample = f" sample {seq.sample_index}" if seq.sample_index else ""
+            raise MoetraceError(f"{seq.where}: request id {rid!r}{sample} appears twice")
+        self._ids.add(key)
         self.engines.add(seq.engine)
         req = FinishedRequest(
             request_id=rid,
@@ -474,6 +478,7 @@ class Importer:
             output_token_ids=np.asarray(output, dtype=np.int32),
             routed_experts=rows,
             finish_reason=seq.finish_reason,
+            sample_index=seq.sample_index,
             extra=extra,
         )
         self.count += 1

@@ -195,6 +195,27 @@ def test_sglang_list_and_vllm_completions(planted, tmp_path):
             assert d["tokens"] == sum(r.num_rows for r in normal(reqs))
 
 
+def test_a_response_of_n_choices_is_n_samples_of_one_request(planted, tmp_path):
+    """As ``record`` and ``serve`` write a prompt sampled n > 1 times: one id, sample 0 .. n-1."""
+    reqs, _ = planted
+    first, second = normal(reqs)[:2]
+    choices = []
+    for i, r in enumerate((first, second)):
+        choice = vllm_chat(r)["choices"][0]
+        choices.append({**choice, "index": i, "prompt_token_ids": r.prompt_token_ids.tolist()})
+    src = tmp_path / "n2.json"
+    src.write_text(json.dumps({"id": "cmpl-q", "choices": choices, "usage": {}}))
+    out = tmp_path / "n2.h5"
+    res = invoke("import", src, "-o", out, *SHAPE_ARGS)
+    assert res.exit_code == 0, res.output
+    with open_trace(out) as t:
+        got = sorted(t, key=lambda r: r.sample_index)
+        assert [(r.id, r.sample_index) for r in got] == [("cmpl-q", 0), ("cmpl-q", 1)]
+        for imported, planted_req in zip(got, (first, second), strict=True):
+            np.testing.assert_array_equal(imported.routed_experts, planted_req.routed_experts)
+    assert invoke("verify", out).exit_code == 0
+
+
 def test_split_prompt_and_output_rows_with_a_trailing_row(planted, tmp_path):
     """vLLM's earlier form: prompt rows on the response, output rows per choice, as lists."""
     reqs, path = planted
