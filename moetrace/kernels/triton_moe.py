@@ -1085,7 +1085,7 @@ def _fragment_gemms(
     if loaded is not None:
         # The loaded experts' blocks decode each weight once for up to loaded.block_m
         # pairs; beside the others' on a side stream they fill the gaps those leave
-        # (docs/benchmarks.md, "What the MXFP4 GEMMs' second token blocks cost").
+        # (docs/benchmarks.md, "Tiles" and "Figures the code's choices rest on").
         h_loaded = hidden.new_empty((loaded.num_blocks * loaded.block_m, inter))
         run_beside(
             [partial(launch, routing, h, 0, 1), partial(launch, loaded, h_loaded, 0, 1)],
