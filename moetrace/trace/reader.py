@@ -3,11 +3,15 @@
 A trace that was not closed normally (``complete`` is false) may end in
 records whose data never reached the disk; those are checked from the tail on
 open and left out, so everything a ``Trace`` returns is backed by data.
+
+``Trace`` answers questions about the file and makes its records into
+``TraceRequest``s; what opening reads first is in ``loading.py``, the reads of
+the flat arrays in ``stored_arrays.py``, the damage checks of a record in
+``record_checks.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -18,28 +22,17 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
-from moetrace.errors import MoetraceError, install_extra
-from moetrace.trace import tokenizer_files
-from moetrace.trace.checked_rows import (
-    RowChecksums,
-    UnreadableDataError,
-    damaged,
-    damaged_file,
-)
-from moetrace.trace.file_checks import (
-    check_variable_length,
-    checked_attributes,
-    whole_file_problems,
-)
-from moetrace.trace.integrity import expected_num_rows, file_problem, plain_value, request_checksum
+from moetrace.errors import MoetraceError
+from moetrace.trace import table_frame, tokenizer_files
+from moetrace.trace.checked_rows import damaged, damaged_file
+from moetrace.trace.file_checks import check_variable_length, whole_file_problems
+from moetrace.trace.integrity import file_problem
+from moetrace.trace.loading import read_attributes, read_records
 from moetrace.trace.lock import writer_pid
-from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION
 from moetrace.trace.output_text import decode_output, load_tokenizer
+from moetrace.trace.record_checks import RecordChecker
 from moetrace.trace.records import (
-    ARRAYS,
-    COLUMNS,
     LOGPROBS,
-    PLACED,
     REQUESTS,
     ROUTED_EXPERTS,
     ROUTED_WEIGHTS,
@@ -49,19 +42,10 @@ from moetrace.trace.records import (
     FinishedRequest,
     RecordDecoder,
 )
+from moetrace.trace.stored_arrays import ITER_ROWS, StoredArrays, bounds_of, one_line
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-# Root attributes written as JSON text (docs/trace-format.md), with their value when absent.
-JSON_ATTRIBUTES = {
-    "engine_settings": "{}",
-    "skipped_inputs": "[]",
-    "resumes": "[]",
-    "merged_from": "[]",
-}
-ITER_ROWS = 65536  # rows read at once when streaming (a few tens of MB for big models)
-ITER_TOKENS = 1 << 22  # token ids read at once (16 MiB)
 
 
 @dataclass(kw_only=True)
@@ -140,7 +124,7 @@ class Trace:
         except (OSError, RuntimeError, KeyError, ValueError, UnicodeError, TypeError) as exc:
             self._file.close()  # HDF5 or a JSON attribute gave way: a damaged file
             raise MoetraceError(
-                f"cannot read {self.path}: it is damaged ({_one_line(exc)}); "
+                f"cannot read {self.path}: it is damaged ({one_line(exc)}); "
                 "'moetrace verify' says more"
             ) from None
         except BaseException:
@@ -149,69 +133,29 @@ class Trace:
 
     def _load(self) -> None:
         f = self._file
-        self.metadata: dict = checked_attributes(f.attrs)
-        fmt = self.metadata.get("format")
-        if fmt != FORMAT_NAME:
-            raise MoetraceError(f"not a moetrace trace (format attribute {fmt!r}): {self.path}")
-        version = int(self.metadata.get("format_version", 0))
-        if version > FORMAT_VERSION:
-            raise MoetraceError(
-                f"trace format version {version} is newer than this moetrace reads "
-                f"({FORMAT_VERSION}); upgrade moetrace: {self.path}"
-            )
-        # Attributes stored as JSON text come back as what they hold.
-        for name, empty in JSON_ATTRIBUTES.items():
-            self.metadata[name] = json.loads(self.metadata.get(name) or empty)
-        required = [a.name for a in ARRAYS if a.required]
-        missing = [name for name in (*required, REQUESTS) if name not in f]
-        if missing:
-            raise MoetraceError(f"trace lacks dataset(s) {', '.join(missing)}: {self.path}")
-        # The flat arrays this file holds, in checksum order.
-        self._arrays = [a for a in ARRAYS if a.name in f]
-        self._data = {a.name: f[a.name] for a in self._arrays}
-        self._routed, self._tokens, table = f[ROUTED_EXPERTS], f[TOKEN_IDS], f[REQUESTS]
+        self.metadata: dict = read_attributes(f, self.path)
+        self._stored = StoredArrays(self.path, f)
+        table = f[REQUESTS]
         check_variable_length(table.dtype, "the request table")
         try:
             self._decoder = RecordDecoder(table.dtype)
         except ValueError as exc:
             raise MoetraceError(f"{exc}: {self.path}") from None
         self._reason_names = self._decoder.enum_names["finish_reason"]
+        self._checker = RecordChecker(self._stored, self._reason_names, self.metadata)
         self.complete = bool(self.metadata.get("complete", False))
-        unreadable = 0
-        try:
-            records = table[:]
-        except (OSError, ValueError) as exc:
-            if self.complete:
-                message = " ".join(str(exc).split())
-                raise MoetraceError(
-                    f"cannot read the request table of {self.path}: {message}"
-                ) from None
-            records = _readable_prefix(table)
-            unreadable = table.shape[0] - len(records)
-        for name in records.dtype.names:
-            if h5py.check_string_dtype(table.dtype[name]) is not None:
-                records[name] = [s.decode() if isinstance(s, bytes) else s for s in records[name]]
-        self.num_dropped = unreadable  # tail records left out: their data is not on disk
-        if not self.complete:
-            good = self._trusted_prefix(records)
-            self.num_dropped += len(records) - good
-            records = records[:good]
+        records, self.num_dropped = read_records(
+            table, self.path, self.complete, self._checker.trusted_prefix
+        )
         self._table = records
         if self.verify_reads:  # what verify would call damaged is refused here too
             problems = [file_problem(f.attrs, records, self.complete)]
             problems += whole_file_problems(f, records, self.complete)
             if problem := next(filter(None, problems), None):
                 raise damaged_file(self.path, problem)
-        self._row_end = records["row_start"] + records["num_rows"]
-        self._token_end = records["token_start"] + records["prompt_len"] + records["output_len"]
+        self._bounds = bounds_of(records)
+        self._row_end, self._token_end = self._bounds[ROWS][1], self._bounds[TOKENS][1]
         self._positions: dict[str, int] | None = None
-
-    def _trusted_prefix(self, records: np.ndarray) -> int:
-        """Number of records kept: drop records from the end until one is backed by its data."""
-        n = len(records)
-        while n and self._record_problem(records[n - 1]):
-            n -= 1
-        return n
 
     # -- plain facts ---------------------------------------------------------
 
@@ -227,7 +171,7 @@ class Trace:
     @property
     def num_stored_rows(self) -> int:
         """Rows in the dataset, including any a killed run left after the last record."""
-        return int(self._routed.shape[0])
+        return int(self._stored.routed.shape[0])
 
     @property
     def num_tokens(self) -> int:
@@ -248,18 +192,18 @@ class Trace:
     @property
     def weights_dtype(self) -> str | None:
         """``"float16"`` or ``"float32"``: how the gate weights are stored; None without them."""
-        ds = self._data.get(ROUTED_WEIGHTS)
+        ds = self._stored.datasets.get(ROUTED_WEIGHTS)
         return None if ds is None else ds.dtype.name
 
     @property
     def arrays(self) -> dict[str, str]:
         """The flat datasets the trace holds (trace-format.md), each with its dtype."""
-        return {a.name: self._data[a.name].dtype.name for a in self._arrays}
+        return {a.name: self._stored.datasets[a.name].dtype.name for a in self._stored.arrays}
 
     @property
     def has_logprobs(self) -> bool:
         """Whether the trace holds output tokens' log-probabilities."""
-        return LOGPROBS in self._data
+        return LOGPROBS in self._stored.datasets
 
     @property
     def requests(self) -> np.ndarray:
@@ -306,7 +250,7 @@ class Trace:
         """Request by record number (negative counts from the end), by request id, or by
         ``(id, sample_index)`` (an id alone is its sample 0: the only one unless ``n`` > 1)."""
         pos = self._position(key)
-        return self._make(pos, self._read_slices(self._table[pos]), self.verify_reads)
+        return self._make(pos, self._stored.record_slices(self._table[pos]), self.verify_reads)
 
     def _position(self, key: int | str | tuple[str, int]) -> int:
         if isinstance(key, (str, tuple)):
@@ -360,134 +304,48 @@ class Trace:
         predates it); the index is the record number.  Needs pandas
         (the ``pandas`` extra).
         """
-        try:
-            import pandas as pd
-        except ImportError:
-            raise MoetraceError(
-                f"Trace.to_pandas needs pandas: {install_extra('pandas')}"
-            ) from None
-        t = self._table
-        columns = {
-            "id": t["id"].tolist(),
-            "sample_index": self.sample_indices,
-            "index": t["index"],
-            "prompt_len": t["prompt_len"],
-            "output_len": t["output_len"],
-            "num_rows": t["num_rows"],
-            "finish_reason": [self._reason_names[int(c)] for c in t["finish_reason"]],
-            "num_cached_tokens": t["num_cached_tokens"],
-            "num_preemptions": t["num_preemptions"],
-            "extra": [json.loads(x) if x else {} for x in t["extra"]],
-            "row_start": t["row_start"],
-            "token_start": t["token_start"],
-        }
-        held = t.dtype.names or ()
-        for column in COLUMNS:  # a field declared later comes along without an edit here
-            if column.name in columns or column.kind == PLACED:
-                continue
-            columns[column.name] = (
-                [column.from_table(plain_value(v)) for v in t[column.name].tolist()]
-                if column.name in held
-                else [column.default_value for _ in range(len(t))]
-            )
-        return pd.DataFrame(columns, index=pd.RangeIndex(len(t), name="record"))
-
-    def _read_slices(self, rec: np.void) -> dict[str, np.ndarray]:
-        """One record's slice of every array the file holds, each read on its own."""
-        r0, t0 = int(rec["row_start"]), int(rec["token_start"])
-        extents = {
-            ROWS: (r0, r0 + int(rec["num_rows"])),
-            TOKENS: (t0, t0 + int(rec["prompt_len"]) + int(rec["output_len"])),
-        }
-        return {a.name: self._read(a.name, *extents[a.along]) for a in self._arrays}
+        return table_frame.to_pandas(self._table, self.sample_indices, self._reason_names)
 
     def __iter__(self) -> Iterator[TraceRequest]:
         """All requests in record order, reading the data of many requests in one slice."""
         return self._iter_requests(self.verify_reads)
 
     def _iter_requests(self, check: bool) -> Iterator[TraceRequest]:
-        t = self._table
-        bounds = {
-            ROWS: (t["row_start"], self._row_end),
-            TOKENS: (t["token_start"], self._token_end),
-        }
-        i = 0
-        while i < len(t):
-            j = i + 1
-            while j < len(t) and self._row_end[j] - t["row_start"][i] <= ITER_ROWS:
-                j += 1
-            windows = {}
-            for a in self._arrays:
-                starts, ends = bounds[a.along]
-                lo = int(starts[i])
-                windows[a.name] = (lo, self._read(a.name, lo, max(lo, int(ends[j - 1]))))
-            for p in range(i, j):
-                slices: dict[str, np.ndarray] | None = {}
-                for a in self._arrays:
-                    starts, ends = bounds[a.along]
-                    lo, data = windows[a.name]
-                    s0, s1 = int(starts[p]) - lo, int(ends[p]) - lo
-                    if not 0 <= s0 <= s1 <= len(data):  # out of order: only in a damaged file
-                        slices = None
-                        break
-                    slices[a.name] = data[s0:s1]
-                if slices is None:
-                    slices = self._read_slices(t[p])
-                yield self._make(p, slices, check)
-            i = j
-
-    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
-        """``name[start:stop]``; what HDF5 cannot read (a damaged chunk) is one line."""
-        try:
-            return self._data[name][start:stop]
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise UnreadableDataError(
-                f"{self.path}: {name}[{start}:{stop}] cannot be read, the file is damaged "
-                f"({_one_line(exc)})"
-            ) from None
+        for p, slices in self._stored.iter_slices(self._table, self._bounds):
+            yield self._make(p, slices, check)
 
     def _make(self, pos: int, slices: dict[str, np.ndarray], check: bool) -> TraceRequest:
         rec = self._table[pos]
-        if check and (problem := self._layout_problem(rec) or self._data_problem(rec, slices)):
+        checker = self._checker
+        if check and (problem := checker.layout_problem(rec) or checker.data_problem(rec, slices)):
             raise damaged(self.path, pos, str(rec["id"]), problem)
         fields = self._decoder.fields(rec)
-        for a in self._arrays:
+        for a in self._stored.arrays:
             fields.update(a.fields(slices[a.name], int(rec["prompt_len"])))
         return TraceRequest(position=pos, text_tokenizer=self._tokenizer, **fields)
 
     def iter_prompt_tokens(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(id, prompt_token_ids)`` of every request, reading token ids only (no rows)."""
-        t = self._table
-        starts, ends = t["token_start"], self._token_end
-        i = 0
-        while i < len(t):
-            j = i + 1
-            while j < len(t) and ends[j] - starts[i] <= ITER_TOKENS:
-                j += 1
-            t0 = int(starts[i])
-            tokens = self._read(TOKEN_IDS, t0, max(t0, int(ends[j - 1])))
-            for p in range(i, j):
-                s0 = int(starts[p]) - t0
-                yield t["id"][p], tokens[s0 : s0 + int(t["prompt_len"][p])]
-            i = j
+        yield from self._stored.iter_prompt_tokens(self._table, self._bounds)
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of the flat ``routed_experts`` array (numbered as ``row_start``)."""
-        return self._read(ROUTED_EXPERTS, start, stop)
+        return self._stored.read(ROUTED_EXPERTS, start, stop)
 
     def read_tokens(self, start: int, stop: int) -> np.ndarray:
         """Entries ``start:stop`` of the flat ``token_ids`` array (numbered as ``token_start``)."""
-        return self._read(TOKEN_IDS, start, stop)
+        return self._stored.read(TOKEN_IDS, start, stop)
 
     @property
     def chunk_rows(self) -> int:
         """Rows per stored chunk of ``routed_experts``: reads aligned to it touch fewest chunks."""
-        return int(self._routed.chunks[0]) if self._routed.chunks else 1
+        routed = self._stored.routed
+        return int(routed.chunks[0]) if routed.chunks else 1
 
     @property
     def compression(self) -> str | None:
         """The HDF5 filter the rows are compressed with (``"gzip"``), None if stored plain."""
-        return self._routed.compression
+        return self._stored.routed.compression
 
     def iter_row_chunks(self, chunk_rows: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """``(row_start, rows)`` over every request row, in slices aligned to the file's chunks.
@@ -503,42 +361,10 @@ class Trace:
         """``(row_start, rows)`` over row ranges that each start and end at request bounds."""
         if chunk_rows is None:
             chunk_rows = max(1, ITER_ROWS // self.chunk_rows) * self.chunk_rows
-        checks = self._row_checksums() if self.verify_reads else None
-        for lo, hi in ranges:
-            for start in range(lo, hi, chunk_rows):
-                rows = self._read(ROUTED_EXPERTS, start, min(start + chunk_rows, hi))
-                if checks is not None:
-                    checks.feed(start, rows)
-                yield start, rows
-
-    def _row_checksums(self) -> RowChecksums:
-        layout = self.layout_problems()
-        bad = next((i for i, problem in enumerate(layout) if problem), None)
-        if bad is not None:
-            raise damaged(self.path, bad, str(self._table["id"][bad]), layout[bad])
-        return RowChecksums(
-            self._table,
-            self.num_experts,
-            self._other_slices,
-            lambda i, problem: damaged(self.path, i, str(self._table["id"][i]), problem),
+        checks = (
+            self._checker.row_checksums(self._table, self._bounds) if self.verify_reads else None
         )
-
-    def _other_slices(self, first: int, last: int) -> list[list[np.ndarray]]:
-        """Per request ``first..last``: its slices of every array but the rows, in checksum
-        order, each array read in one slice for them all."""
-        t = self._table
-        bounds = {
-            ROWS: (t["row_start"], self._row_end),
-            TOKENS: (t["token_start"], self._token_end),
-        }
-        per_request: list[list[np.ndarray]] = [[] for _ in range(first, last + 1)]
-        for a in self._arrays[1:]:
-            starts, ends = bounds[a.along]
-            lo, hi = int(starts[first]), int(ends[last])
-            data = self._read(a.name, lo, hi)
-            for k, i in enumerate(range(first, last + 1)):
-                per_request[k].append(data[int(starts[i]) - lo : int(ends[i]) - lo])
-        return per_request
+        yield from self._stored.iter_rows(ranges, chunk_rows, checks)
 
     # -- integrity -----------------------------------------------------------
 
@@ -552,7 +378,6 @@ class Trace:
         killed run leaves; ``moetrace verify`` reports that as incompleteness).
         ``progress`` is called after each request checked (a watchdog's heartbeat).
         """
-        beat = progress or (lambda: None)
         problems = []
         if self.num_dropped and report_dropped:
             problems.append(
@@ -560,64 +385,12 @@ class Trace:
                 "(interrupted write) and are left out"
             )
         t = self._table
-        layout = self.layout_problems()
-        found: dict[int, str] = {}
-        try:
-            for req in self._iter_requests(check=False):  # batched: one slice per many requests
-                i = req.position
-                data = {a.name: a.values(req) for a in self._arrays}
-                problem = layout[i] or self._data_problem(t[i], data)
-                if problem:
-                    found[i] = problem
-                beat()
-        except OSError:
-            # A chunk that cannot be read: check one record at a time to name each one hit.
-            found = {i: p for i in range(len(t)) if (p := layout[i] or self._record_problem(t[i]))}
-        problems += [f"request {i} ({t[i]['id']!r}): {p}" for i, p in sorted(found.items())]
+        problems += self._checker.request_problems(t, self._iter_requests(check=False), progress)
         return problems + whole_file_problems(self._file, t, self.complete)
 
     def layout_problems(self) -> list[str]:
         """Per record, what is wrong with its counts and offsets ("" if nothing); reads no data."""
-        t = self._table
-        csr_rows = np.concatenate([[0], np.cumsum(t["num_rows"])])[: len(t)]
-        csr_tokens = np.concatenate([[0], np.cumsum(t["prompt_len"] + t["output_len"])])[: len(t)]
-        layout = [self._layout_problem(rec) for rec in t]
-        for i in np.flatnonzero((t["row_start"] != csr_rows) | (t["token_start"] != csr_tokens)):
-            layout[i] = layout[i] or "offsets are not the running sums of the lengths before it"
-        return layout
-
-    def _layout_problem(self, rec: np.void) -> str:
-        """What is wrong with a record's counts and offsets ("" if nothing); reads no data."""
-        p, o, n = int(rec["prompt_len"]), int(rec["output_len"]), int(rec["num_rows"])
-        r0, t0 = int(rec["row_start"]), int(rec["token_start"])
-        reason = self._reason_names.get(int(rec["finish_reason"]))
-        if reason is None:
-            return f"unknown finish_reason code {int(rec['finish_reason'])}"
-        if min(p, o, n, r0, t0) < 0 or n not in expected_num_rows(p, o, reason):
-            return f"{n} rows for {p} prompt + {o} output tokens (finish_reason {reason!r})"
-        if r0 + n > self._routed.shape[0] or t0 + p + o > self._tokens.shape[0]:
-            return "offsets point past the end of the data"
-        return ""
-
-    def _data_problem(self, rec: np.void, data: dict[str, np.ndarray]) -> str:
-        """What is wrong with a record's slices of the arrays ("" if nothing)."""
-        if request_checksum(*data.values()) != int(rec["checksum"]):
-            return "checksum mismatch"
-        rows = data[ROUTED_EXPERTS]
-        if rows.size and int(rows.max()) >= self.num_experts:
-            return f"expert id {int(rows.max())} >= num_experts {self.num_experts}"
-        return ""
-
-    def _record_problem(self, rec: np.void) -> str:
-        """Layout and data problems of one record, reading its data on its own."""
-        problem = self._layout_problem(rec)
-        if problem:
-            return problem
-        try:
-            data = self._read_slices(rec)
-        except OSError as exc:
-            return f"data unreadable: {exc}"
-        return self._data_problem(rec, data)
+        return self._checker.layout_problems(self._table)
 
     # -- lifetime ------------------------------------------------------------
 
@@ -631,24 +404,6 @@ class Trace:
         self.close()
 
 
-def _readable_prefix(table: h5py.Dataset) -> np.ndarray:
-    """The longest readable start of the request table.
-
-    A write that failed inside HDF5 (disk full) can leave the last flush's
-    records pointing at string storage past the end of the file; everything
-    flushed before them still reads.
-    """
-    lo, hi = 0, table.shape[0]  # table[:lo] reads, table[:hi] does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        try:
-            table[:mid]
-            lo = mid
-        except (OSError, ValueError):
-            hi = mid
-    return table[:lo]
-
-
 def open_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
     """Open a trace read-only; ``MoetraceError`` if it is missing, foreign or too new.
 
@@ -657,11 +412,6 @@ def open_trace(path: str | os.PathLike, *, verify: bool = True) -> Trace:
     ``verify=False`` reads faster and hands on whatever the file holds.
     """
     return Trace(path, verify=verify)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def not_a_trace_file(path: Path) -> str:

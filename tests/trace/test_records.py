@@ -16,8 +16,7 @@ from support.legacy_traces import DATA, LEGACY_TRACES, expected_requests, legacy
 
 from moetrace import open_trace
 from moetrace.errors import MoetraceError
-from moetrace.trace import reader as reader_module
-from moetrace.trace import records
+from moetrace.trace import loading, records, table_frame
 from moetrace.trace.integrity import plain_value, record_crc
 from moetrace.trace.metadata import FORMAT_VERSION, TraceMetadata
 from moetrace.trace.records import REQUEST_DTYPE, FinishedRequest, RecordDecoder
@@ -141,7 +140,7 @@ def test_a_reader_that_predates_the_arrays_refuses_the_file(tmp_path, monkeypatc
     md, reqs = _weighted("trace_v1_uint8.h5", weights="float16")
     path = tmp_path / "weighted.h5"
     _write(path, md, reqs)
-    monkeypatch.setattr(reader_module, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(loading, "FORMAT_VERSION", 1)
     with pytest.raises(MoetraceError, match="format version 2 is newer"):
         open_trace(path)
 
@@ -197,7 +196,7 @@ def test_a_declared_column_reaches_to_pandas_without_an_edit_there(monkeypatch):
     """Trace.to_pandas lists the table from the schema: a column added later is one edit."""
     pytest.importorskip("pandas")
     later = records.Column("num_spec_tokens", np.dtype("<i4"), default=0)
-    monkeypatch.setattr(reader_module, "COLUMNS", (*records.COLUMNS, later))
+    monkeypatch.setattr(table_frame, "COLUMNS", (*records.COLUMNS, later))
     with open_trace(DATA / "trace_v1_uint8.h5") as t:  # written before the column
         table = t.to_pandas()
         assert table["num_spec_tokens"].tolist() == [0] * t.num_requests

@@ -16,13 +16,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from support.traces import CHUNK, make_metadata, make_request, mixed_requests
 
 from moetrace import open_trace
 from moetrace.errors import MoetraceError
-from moetrace.trace import writer as writer_module
+from moetrace.trace import chunk_appender, trace_file
 from moetrace.trace.metadata import FORMAT_NAME, FORMAT_VERSION, TraceMetadata
 from moetrace.trace.records import FinishedRequest
 from moetrace.trace.writer import TraceWriter
@@ -110,32 +108,6 @@ def test_row_chunks_stream_every_row(written):
             parts = list(t.iter_row_chunks(chunk_rows))
             assert [s for s, _ in parts] == list(np.cumsum([0] + [len(a) for _, a in parts])[:-1])
             np.testing.assert_array_equal(np.concatenate([a for _, a in parts]), want)
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=12),
-    st.integers(1, 9),
-    st.integers(1, 4),
-)
-def test_chunk_appender_keeps_every_row(steps, chunk, chunks_per_write):
-    """Any mix of appends (shorter and longer than a chunk or a write) and flushes leaves the
-    rows in order, whatever number of chunks one write holds."""
-    with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
-        ds = f.create_dataset("d", (0, 2), maxshape=(None, 2), chunks=(chunk, 2), dtype="u2")
-        app = writer_module._ChunkAppender(ds, write_bytes=chunks_per_write * chunk * 4)
-        want, n = [], 0
-        for size, flush in steps:
-            rows = np.arange(n, n + size, dtype="u2").repeat(2).reshape(-1, 2)
-            app.append(rows)
-            want.append(rows)
-            n += size
-            if flush:
-                app.flush()
-                np.testing.assert_array_equal(ds[:], np.concatenate(want))
-        app.flush()
-        assert app.length == n == ds.shape[0]
-        np.testing.assert_array_equal(ds[:], np.arange(n).repeat(2).reshape(-1, 2))
 
 
 def test_plain_h5py_reads_the_same(written):
@@ -259,7 +231,7 @@ def test_error_in_writer_thread_surfaces(tmp_path, monkeypatch):
     def fail(self, offset, data):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(writer_module._ChunkAppender, "_write", fail)
+    monkeypatch.setattr(chunk_appender.ChunkAppender, "_write", fail)
     md = make_metadata()
     reqs = mixed_requests(md, n=30)
     w = TraceWriter(tmp_path / "t.h5", md, queue_size=1, flush_every_requests=1).start()
@@ -278,7 +250,7 @@ def test_submit_blocked_on_a_full_queue_is_released_by_a_failure(tmp_path, monke
         time.sleep(0.2)  # long enough for the caller to block on the full queue
         raise OSError("disk gone")
 
-    monkeypatch.setattr(TraceWriter, "_place", slow_failure)
+    monkeypatch.setattr(trace_file.TraceFile, "place", slow_failure)
     md = make_metadata()
     w = TraceWriter(tmp_path / "t.h5", md, queue_size=1).start()
     raised = []
@@ -299,7 +271,7 @@ def test_submit_blocked_on_a_full_queue_is_released_by_a_failure(tmp_path, monke
 
 
 def test_bug_in_writer_thread_keeps_its_type(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer_module, "request_checksum", lambda *a: 1 / 0)
+    monkeypatch.setattr(trace_file, "request_checksum", lambda *a: 1 / 0)
     md = make_metadata()
     w = TraceWriter(tmp_path / "t.h5", md).start()
     w.submit(mixed_requests(md, n=1)[0])
@@ -312,12 +284,12 @@ def test_failure_in_a_batch_that_took_the_close_message_still_returns(tmp_path, 
     a failure placing them must not leave the thread (and ``close``) waiting for the close."""
     loop = TraceWriter._loop
 
-    def late_loop(self):
+    def late_loop(self, file):
         self.queued.wait(5)  # everything, close included, is queued first
-        return loop(self)
+        return loop(self, file)
 
     monkeypatch.setattr(TraceWriter, "_loop", late_loop)
-    monkeypatch.setattr(writer_module, "request_checksum", lambda *a: 1 / 0)
+    monkeypatch.setattr(trace_file, "request_checksum", lambda *a: 1 / 0)
     md = make_metadata()
     w = TraceWriter(tmp_path / "t.h5", md)
     w.queued = threading.Event()
@@ -344,13 +316,13 @@ def test_a_burst_of_requests_is_written_in_few_writes(tmp_path, monkeypatch):
     """Requests queued together go to each dataset in whole multi-chunk writes, not one or
     more writes per request; the trace reads back the same."""
     writes = []
-    write = writer_module._ChunkAppender._write
+    write = chunk_appender.ChunkAppender._write
 
     def counting(self, offset, data):
         writes.append((self.ds.name, len(data)))
         return write(self, offset, data)
 
-    monkeypatch.setattr(writer_module._ChunkAppender, "_write", counting)
+    monkeypatch.setattr(chunk_appender.ChunkAppender, "_write", counting)
     md = make_metadata()
     reqs = mixed_requests(md, n=60)
     with TraceWriter(tmp_path / "t.h5", md, chunk_rows=CHUNK, flush_every_requests=1000) as w:
@@ -542,7 +514,7 @@ def test_reserve_zero_still_keeps_a_flushs_room(tmp_path, monkeypatch):
     md = make_metadata()
     rng = np.random.default_rng(4)
     room = [10 << 20]
-    monkeypatch.setattr(writer_module, "free_bytes", lambda path: room[0])
+    monkeypatch.setattr(trace_file, "free_bytes", lambda path: room[0])
     path = tmp_path / "t.h5"
     w = TraceWriter(path, md, chunk_rows=CHUNK, flush_every_requests=1, reserve_bytes=0).start()
     w.submit(make_request(rng, md, 0, 5, 3))
@@ -550,7 +522,7 @@ def test_reserve_zero_still_keeps_a_flushs_room(tmp_path, monkeypatch):
     while w.flushed_requests < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert w.healthy
-    room[0] = writer_module.FLUSH_METADATA_BYTES  # less than a flush needs: not a byte is written
+    room[0] = trace_file.FLUSH_METADATA_BYTES  # less than a flush needs: not a byte is written
     w.submit(make_request(rng, md, 1, 5, 3))
     deadline = time.monotonic() + 10
     while w.healthy and time.monotonic() < deadline:
