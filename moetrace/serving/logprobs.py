@@ -3,11 +3,14 @@
 The engine gives, per output token, the sampled token's log-probability and
 the N most likely tokens with theirs, from the model's raw distribution; the
 values are vLLM's.  Token strings are each token decoded alone, as vLLM does;
-``-inf`` becomes -9999.0, as vLLM (and OpenAI) send it.
+``-inf`` becomes -9999.0, as vLLM (and OpenAI) send it.  JSON has no NaN:
+a model whose weights went bad answers ``null`` there (SGLang's JSON writer
+does the same for every non-finite value) rather than failing the request.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,8 +48,14 @@ def from_output(out: OutputLogprobs, start: int = 0) -> list[TokenLogprobs]:
     ]
 
 
-def _lp(value: float) -> float:
-    return max(value, FLOOR)
+def _lp(value: float) -> float | None:
+    """OpenAI's value: floored at -9999.0; NaN (or +inf) as null."""
+    return None if math.isnan(value) or value == math.inf else max(value, FLOOR)
+
+
+def _sglang_lp(value: float) -> float | None:
+    """SGLang's value: as it is, or null where not finite."""
+    return value if math.isfinite(value) else None
 
 
 def _token(decoder: Decoder | None, token_id: int) -> str:
@@ -106,12 +115,16 @@ def sglang_logprobs(
     """SGLang's ``meta_info`` entries: ``[logprob, token_id, None]`` per token."""
     out: dict = {
         "output_token_logprobs": [
-            [item.logprob, int(t), None] for t, item in zip(token_ids, logprobs, strict=True)
+            [_sglang_lp(item.logprob), int(t), None]
+            for t, item in zip(token_ids, logprobs, strict=True)
         ]
     }
     if top_n:
         out["output_top_logprobs"] = [
-            [[lp, i, None] for i, lp in zip(item.top_ids, item.top_logprobs, strict=True)]
+            [
+                [_sglang_lp(lp), i, None]
+                for i, lp in zip(item.top_ids, item.top_logprobs, strict=True)
+            ]
             for item in logprobs
         ]
     return out
