@@ -83,6 +83,7 @@ class ServingContext:
     max_prompt_chars: int | None = None
     metrics: ServerMetrics | None = None
     enable_weight_updates: bool = False  # the trainer's control routes exist
+    weight_update_timeout_s: float = 600.0  # --weight-update-timeout: joins and transfers
     dtype: str = "auto"  # --dtype as given (SGLang's server info reports it)
     # Ranks that serve: a trainer's update group counts each (SGLang's tp_size, vLLM's world_size).
     tensor_parallel_size: int = 1

@@ -11,14 +11,24 @@ generation routes.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from moetrace.engine.memory_release import TAGS
 from moetrace.serving.protocol import FieldProblem, Strict, refuse_unsupported
 
 SGLANG_GROUP = "weight_update_group"
+
+
+def _port_from_text(value: Any) -> Any:
+    """SGLang parses its bodies loosely, and AReaL sends ``master_port`` as a string."""
+    if isinstance(value, str) and value.strip().isdecimal():
+        return int(value)
+    return value
+
+
+Port = Annotated[int, BeforeValidator(_port_from_text), Field(ge=1, le=65535)]
 
 
 def _load_format(value: str | None, where: str = "load_format") -> None:
@@ -52,7 +62,7 @@ class UpdateWeightFromDiskReqInput(Strict):
 
 class InitWeightsUpdateGroupReqInput(Strict):
     master_address: str = Field(min_length=1)
-    master_port: int = Field(ge=1, le=65535)  # AReaL sends it as a string
+    master_port: Port
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     group_name: str = SGLANG_GROUP
@@ -131,7 +141,7 @@ class UpdateWeightVersionReqInput(Strict):
     """SGLang's (vLLM's takes ``new_version`` alone): requests are not aborted unless asked,
     SGLang's default until it became True, and vLLM's behaviour."""
 
-    new_version: str
+    new_version: str = Field(min_length=1)
     abort_all_requests: bool = False
 
 
@@ -148,7 +158,7 @@ class TransferInitInfo(Strict):
     moetrace's ``backend`` (``gloo`` for CPU servers; vLLM has no such field)."""
 
     master_address: str = Field(min_length=1)
-    master_port: int = Field(ge=1, le=65535)
+    master_port: Port
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     backend: Literal["nccl", "gloo"] = "nccl"

@@ -391,6 +391,7 @@ class Server:
             max_prompt_chars=self._max_prompt_chars(engine.max_model_len),
             metrics=metrics,
             enable_weight_updates=self.enable_weight_updates,
+            weight_update_timeout_s=self.weight_update_timeout_s,
             dtype=self.dtype,
             tensor_parallel_size=getattr(get_parallel_state(), "size", 1),
         )

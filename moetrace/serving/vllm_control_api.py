@@ -26,7 +26,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moetrace.engine.memory_release import TAGS
-from moetrace.serving.admin import admin_route, context, control_body, query_flag, run_control
+from moetrace.serving.admin import (
+    admin_route,
+    context,
+    control_body,
+    join_group,
+    query_flag,
+    run_control,
+)
 from moetrace.serving.engine_control import (
     ControlResult,
     FlushCache,
@@ -100,7 +107,7 @@ async def init_weight_transfer_engine(http: HttpRequest) -> Response:
         SGLANG_GROUP,
         info.backend,
     )
-    result = await run_control(http, call)
+    result = await join_group(http, call)
     return (
         JSONResponse({"message": "Weight transfer initialized"}) if result.ok else _failed(result)
     )

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from moetrace import __version__
 from moetrace.engine.sampling import SamplingParams
-from moetrace.serving.admin import admin_route, context, control_body, run_control
+from moetrace.serving.admin import admin_route, context, control_body, join_group, run_control
 from moetrace.serving.engine_control import (
     ControlResult,
     FlushCache,
@@ -89,7 +89,7 @@ async def init_weights_update_group(http: HttpRequest) -> Response:
         req.group_name,
         req.backend,
     )
-    return _answer(await run_control(http, call))
+    return _answer(await join_group(http, call))
 
 
 async def destroy_weights_update_group(http: HttpRequest) -> Response:

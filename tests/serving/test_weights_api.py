@@ -13,6 +13,7 @@ framework's code makes (read from slime's ``sglang_engine.py`` and
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -170,6 +171,39 @@ def test_slime_distributed_update_in_buckets(server, checkpoints, recorded):
             assert out["answer"].json()["success"]
         post(server, "/continue_generation", {})
         assert_serves(server, recorded["v2"], "2")
+        left = post(server, "/destroy_weights_update_group", {"group_name": trainer.group})
+        assert left.json()["success"], left.text
+    finally:
+        assert trainer.close() == 0
+
+
+def test_a_trainer_that_never_listens_fails_the_join_in_time_and_never_stalls_the_engine(server):
+    """Waiting for the trainer's store happens beside the engine: requests are served meanwhile,
+    and the join fails after --weight-update-timeout (3 s here), once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    payload = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+               "world_size": 2, "backend": "gloo"}  # fmt: skip
+    started = time.monotonic()
+    thread, out = in_thread(lambda: post(server, "/init_weights_update_group", payload))
+    probe(server)
+    assert thread.is_alive(), "the probe waited for the join"
+    thread.join(60)
+    elapsed = time.monotonic() - started
+    answer = out["answer"]
+    assert answer.status_code == 400 and not answer.json()["success"], answer.text
+    assert f"nobody listened at 127.0.0.1:{port}" in answer.json()["message"]
+    assert 3 <= elapsed < 6, elapsed
+
+
+def test_areal_sends_the_port_as_a_string(server, checkpoints):
+    trainer = Trainer(checkpoints["v2"])
+    try:
+        payload = {**trainer.init_payload(), "master_port": str(trainer.port)}
+        joined = post(server, "/init_weights_update_group", payload)
+        assert joined.status_code == 200 and joined.json()["success"], joined.text
+        trainer.expect("joined")
         left = post(server, "/destroy_weights_update_group", {"group_name": trainer.group})
         assert left.json()["success"], left.text
     finally:
