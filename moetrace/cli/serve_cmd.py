@@ -173,7 +173,8 @@ def _print_served(result: ServeResult) -> None:
     """The closing line on standard error: why it stopped and what it served."""
     trace = f"; trace {result.trace} closed" if result.trace else ""
     print(
-        f"{result.stopped_by}: served {result.requests} requests ({result.output_tokens:,} output "
-        f"tokens, {result.aborted} aborted) in {result.elapsed_s:.0f} s{trace}",
+        f"{result.stopped_by}: served {result.requests} requests to their end "
+        f"({result.output_tokens:,} output tokens) and {result.aborted} aborted "
+        f"in {result.elapsed_s:.0f} s{trace}",
         file=sys.stderr,
     )

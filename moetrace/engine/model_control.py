@@ -267,7 +267,8 @@ class ModelControl:
         group = self.groups.get(call.group_name)
         if group is None:
             raise ControlRefused(
-                f"no weight update group {call.group_name!r}; call init_weights_update_group first"
+                f"no weight update group {call.group_name!r}; join one first "
+                "(init_weights_update_group, or vLLM's init_weight_transfer_engine)"
             )
         if not len(call.names) == len(call.dtypes) == len(call.shapes):
             raise ControlRefused(
