@@ -147,31 +147,46 @@ class WeightSync:
         Built as SGLang's ``init_custom_process_group`` (and slime's copy of it) builds
         it: the store under a prefix named after the group, then torch's process
         group helper, so both sides look for the same keys; it is not this process's
-        default group, which a real trainer already has."""
+        default group, which a real trainer already has.  Every rank of the server
+        joins (``tp_size`` of ``/get_server_info``), so the group has 1 + tp_size ranks.
+        The trainer's side waits in a daemon thread: a server that refuses the call is
+        reported at once, not after the group's timeout."""
+        ranks = 1 + int(call(self.url, "/get_server_info").get("tp_size", 1))
         port = free_port()
         timeout = timedelta(seconds=HTTP_TIMEOUT_S)
         store = dist.TCPStore(
-            self.master_address, port, 2, is_master=True, timeout=timeout,
+            self.master_address, port, ranks, is_master=True, timeout=timeout,
             wait_for_workers=False,
         )  # fmt: skip
         body = {
             "master_address": self.master_address,
             "master_port": port,
-            "rank_offset": 1,  # the server's one rank (weight updates run without TP)
-            "world_size": 2,
+            "rank_offset": 1,  # the server's ranks follow the trainer's 0
+            "world_size": ranks,
             "group_name": GROUP,
             "backend": self.backend,
         }
-        with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(call, self.url, "/init_weights_update_group", body)
-            pg, _ = _new_process_group_helper(
-                2, 0, [], Backend(self.backend), PrefixStore(GROUP, store),
-                group_name=GROUP, timeout=timeout,
-            )  # fmt: skip
-            _world.pg_group_ranks[pg] = {0: 0, 1: 1}
-            if not joined.result().get("success"):
-                raise ServerError(f"init_weights_update_group: {joined.result()}")
-        return pg
+        made: dict = {}
+
+        def make_group() -> None:
+            try:
+                made["pg"], _ = _new_process_group_helper(
+                    ranks, 0, [], Backend(self.backend), PrefixStore(GROUP, store),
+                    group_name=GROUP, timeout=timeout,
+                )  # fmt: skip
+            except Exception as exc:  # reported below, in the caller's thread
+                made["error"] = exc
+
+        maker = threading.Thread(target=make_group, name="weight-group", daemon=True)
+        maker.start()
+        joined = call(self.url, "/init_weights_update_group", body)  # a refusal raises here
+        if not joined.get("success"):
+            raise ServerError(f"init_weights_update_group: {joined}")
+        maker.join(HTTP_TIMEOUT_S)
+        if "pg" not in made:
+            raise ServerError(f"the weight update group was not made: {made.get('error')}")
+        _world.pg_group_ranks[made["pg"]] = {i: i for i in range(ranks)}
+        return made["pg"]
 
     def _broadcast(self, version: str) -> None:
         """Per bucket one ``update_weights_from_distributed`` call beside one broadcast per
