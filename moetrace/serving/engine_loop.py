@@ -87,6 +87,9 @@ class EngineRequest:
     sampling: SamplingParams
     stream: bool = False
     cache_salt: str | None = None
+    # The other ids a client holds for it (its response id, its prompt's id, the client's
+    # own request id or rid): the abort routes end it by any of them (docs/serving.md).
+    aliases: tuple[str, ...] = ()
 
 
 class RequestHandle:
@@ -201,10 +204,20 @@ class EngineLoop:
             self._inbox.append(("abort", list(request_ids)))
             self._wake.set()
 
-    def abort_rid(self, rid: str | None) -> None:
-        """SGLang's ``/abort_request``: the requests of ``rid`` (its samples too), or all."""
-        self._inbox.append(("abort_rid", rid))
+    def abort_named(self, ids: list[str] | None) -> asyncio.Future[int]:
+        """The abort routes: end every request (held ones too) that one of ``ids`` names,
+        by its trace id or an alias, or all of them (``None``).  Resolves to how many it
+        ended, so a trainer is told what really stopped, not what it asked for."""
+        future: asyncio.Future[int] = self.loop.create_future()
+        self._inbox.append(("abort_named", (None if ids is None else set(ids), future)))
         self._wake.set()
+        if self.fatal is not None:
+            self._fail_inbox()
+        return future
+
+    def abort_rid(self, rid: str | None) -> asyncio.Future[int]:
+        """SGLang's ``/abort_request``: the requests ``rid`` names (its samples too), or all."""
+        return self.abort_named(None if rid is None else [rid])
 
     def control(self, call: ControlCall) -> asyncio.Future[ControlResult]:
         """Carry ``call`` out between two steps; resolves once the requests it ended
@@ -342,6 +355,8 @@ class EngineLoop:
                 call, future = item  # type: ignore[misc]
                 result = ControlResult(False, self._failure.message, self.state)
                 self.loop.call_soon_threadsafe(_resolve, future, result)
+            elif kind == "abort_named":  # the failure ended them all already
+                self.loop.call_soon_threadsafe(_resolve, item[1], 0)  # type: ignore[index]
         events += [(h, self._failure) for h in self._held]
         self._held.clear()
         self._deliver(events)
@@ -356,12 +371,16 @@ class EngineLoop:
                     events += self._add(item)  # type: ignore[arg-type]
             elif kind == "abort":
                 self._abort(item, events)  # type: ignore[arg-type]
-            elif kind == "abort_rid":
-                rid = item
-                self._abort(
-                    [r for r in self._live if rid is None or r == rid or r.startswith(f"{rid}-")],
-                    events,
-                )
+            elif kind == "abort_named":
+                ids, future = item  # type: ignore[misc]
+                named = [
+                    h.request_id
+                    for h in [live.handle for live in self._live.values()] + self._held
+                    if ids is None or not ids.isdisjoint((h.request_id, *h.request.aliases))
+                ]
+                count = self._abort(named, events)
+                self._deliver(events)  # the aborted requests are answered before the route
+                self.loop.call_soon_threadsafe(_resolve, future, count)
             else:
                 self._run_control(*item, events)  # type: ignore[misc]
         if self._held and not (self.state.holds_requests or self.holding):
@@ -406,12 +425,20 @@ class EngineLoop:
             self._streaming[req.request_id] = live
         return []
 
-    def _abort(self, request_ids: list[str], events: list[tuple[RequestHandle, Event]]) -> None:
+    def _abort(self, request_ids: list[str], events: list[tuple[RequestHandle, Event]]) -> int:
+        """End these requests; how many it ended (not those a step had finished already)."""
         ids = set(request_ids)
-        self._held = [h for h in self._held if h.request_id not in ids]  # never started
+        held = [h for h in self._held if h.request_id in ids]
+        self._held = [h for h in self._held if h.request_id not in ids]
+        for handle in held:  # never reached the engine nor the trace: its id is free again
+            self.release([handle.request_id])
+            events.append((handle, Failed("aborted before it started", status=503)))
         live = [rid for rid in request_ids if rid in self._live]
-        if live:
-            self._ended(self.engine.abort(live), events)
+        if not live:
+            return len(held)
+        finished = self.engine.abort(live)
+        self._ended(finished, events)
+        return len(held) + sum(f.request_id in ids and f.finish_reason == "abort" for f in finished)
 
     def _stream_tokens(self, ended: set[str]) -> list[tuple[RequestHandle, Event]]:
         events: list[tuple[RequestHandle, Event]] = []
@@ -480,6 +507,6 @@ def _put_all(events: list[tuple[RequestHandle, Event]]) -> None:
         handle.queue.put_nowait((handle.index, event))
 
 
-def _resolve(future: asyncio.Future, result: ControlResult) -> None:
+def _resolve(future: asyncio.Future, result: ControlResult | int) -> None:
     if not future.done():
         future.set_result(result)

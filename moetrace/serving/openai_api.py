@@ -105,7 +105,8 @@ def _plan(
         )
     ctx.check_weights_asked(req.return_routed_weights)
     # vLLM's rule: the response id is the prefix and the client's request_id.
-    response_id = f"{prefix}-{req.request_id or new_id()}"
+    base_id = req.request_id or new_id()
+    response_id = f"{prefix}-{base_id}"
     requests, choices = [], []
     for p, ids in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt.{p}"
@@ -146,6 +147,8 @@ def _plan(
                     params,
                     stream=bool(req.stream),
                     cache_salt=req.cache_salt,
+                    # vLLM's engine id for the prompt is ``<response id>-<p>``.
+                    aliases=(response_id, f"{response_id}-{p}", base_id),
                 )
             )
             choices.append(Choice(ctx, ids, params))

@@ -129,7 +129,10 @@ class _Plan:
                 rid = rids[p] if sampling.n == 1 else f"{rids[p]}-{j}"
                 self.rids.append(rid)
                 self.max_new.append(limit)
-                self.requests.append(EngineRequest(rid, ids, params, stream=req.stream))
+                aliases = () if rid == rids[p] else (rids[p],)  # the client's rid, n > 1
+                self.requests.append(
+                    EngineRequest(rid, ids, params, stream=req.stream, aliases=aliases)
+                )
                 self.choices.append(Choice(ctx, ids, params))
         ctx.claim(self.rids, "rid")
 

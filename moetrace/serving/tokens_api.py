@@ -161,7 +161,9 @@ async def generate_tokens(http: HttpRequest) -> Response:
             }
         )
         rid = f"generate-tokens-{request_id}-{j}"
-        requests.append(EngineRequest(rid, ids, params, cache_salt=req.cache_salt))
+        # vLLM's engine id is ``generate-tokens-<request_id>``; the answer shows request_id.
+        aliases = (f"generate-tokens-{request_id}", request_id)
+        requests.append(EngineRequest(rid, ids, params, cache_salt=req.cache_salt, aliases=aliases))
         choices.append(Choice(ctx, ids, params))
     try:
         finished = await generate_all(ctx, http, requests)

@@ -46,7 +46,7 @@ from moetrace.serving.engine_control import (
     UpdateFromDisk,
     UpdateFromGroup,
 )
-from moetrace.serving.protocol import FieldProblem
+from moetrace.serving.protocol import FieldProblem, request_id_value
 from moetrace.serving.rl_protocol import (
     SGLANG_GROUP,
     AbortRequestsRequest,
@@ -193,14 +193,15 @@ async def reset_prefix_cache(http: HttpRequest) -> Response:
 
 
 async def abort_requests(http: HttpRequest) -> Response:
+    """Ends the requests ``request_ids`` name (any id a client holds for one), or all when
+    absent; ``aborted`` counts what really ended, so unknown or finished ids count 0."""
     req: AbortRequestsRequest = await control_body(http, AbortRequestsRequest)
-    loop = context(http).loop
-    if req.request_ids:
-        loop.abort(req.request_ids)
-        count = len(req.request_ids)
-    else:
-        count = loop.num_live
-        loop.abort_rid(None)
+    for i, rid in enumerate(req.request_ids or []):
+        try:
+            request_id_value(rid)  # the rules of a generation body's ids: an empty one is a 400
+        except ValueError as exc:
+            raise FieldProblem(f"request_ids.{i}", str(exc)) from None
+    count = await context(http).loop.abort_named(req.request_ids)
     return JSONResponse({"status": "aborted", "aborted": count})
 
 
