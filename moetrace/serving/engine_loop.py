@@ -172,6 +172,8 @@ class EngineLoop:
         self.state = EngineState()  # as the last control call left it (read by handlers)
         self._held: list[RequestHandle] = []  # arrived while the engine may not step
         self.holding = False  # hold new requests (a pause that waits for the running ones)
+        # A control call is being carried out: the engine steps again only once it returns.
+        self.controlling = False
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -393,10 +395,14 @@ class EngineLoop:
     ) -> None:
         """Carry a control call out here (or in the engine process); answer what it ended
         first, then the call."""
-        if self._control is not None:
-            result = self._control.handle(call)
-        else:
-            result = self.engine.control(call)  # type: ignore[union-attr]
+        self.controlling = True
+        try:
+            if self._control is not None:
+                result = self._control.handle(call)
+            else:
+                result = self.engine.control(call)  # type: ignore[union-attr]
+        finally:
+            self.controlling = False
         self.state = result.state
         self._ended(result.finished, events)
         self._deliver(events)

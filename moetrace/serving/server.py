@@ -406,6 +406,17 @@ class Server:
         def stopping() -> None:
             ctx.draining = True
             engine_loop.drain(self.shutdown_timeout_s)  # then aborts: answered, not cut
+            if engine_loop.controlling:  # the aborts wait for it: cut, they would be 500s
+                config.timeout_graceful_shutdown = (
+                    self.shutdown_timeout_s + self.weight_update_timeout_s + ANSWER_GRACE_S
+                )
+                print(
+                    "a control call is in progress (a weight update waits up to "
+                    f"--weight-update-timeout {self.weight_update_timeout_s:g} s); the requests "
+                    "in flight are answered once it returns",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         def ready(port: int) -> None:
             result.listened = True

@@ -13,6 +13,7 @@ framework's code makes (read from slime's ``sglang_engine.py`` and
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 
@@ -195,6 +196,41 @@ def test_a_trainer_that_never_listens_fails_the_join_in_time_and_never_stalls_th
     assert answer.status_code == 400 and not answer.json()["success"], answer.text
     assert f"nobody listened at 127.0.0.1:{port}" in answer.json()["message"]
     assert 3 <= elapsed < 6, elapsed
+
+
+def test_a_stop_during_a_weight_update_answers_everyone(checkpoints, tmp_path):
+    """SIGTERM while a broadcast is awaited: the stop waits for the update's own timeout (8 s,
+    past the 1 s drain and uvicorn's 5 s grace), then the update gets its JSON 400 and the
+    request in flight its 200 abort, not uvicorn's plain-text 500s."""
+    trace = tmp_path / "t.h5"
+    srv = ServerProcess("demo", "--device", "cpu", "--enable-weight-updates", "--trace-out",
+                        str(trace), "--weight-update-timeout", "8", "--shutdown-timeout", "1")  # fmt: skip
+    trainer = Trainer(checkpoints["v2"])
+    try:
+        assert post(srv, "/init_weights_update_group", trainer.init_payload()).json()["success"]
+        trainer.expect("joined")
+        request = {"text": "go on", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+        gen, gen_out = in_thread(lambda: post(srv, "/generate", request))
+        wait_running(srv)
+        body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]]}
+        update, update_out = in_thread(lambda: post(srv, "/update_weights_from_distributed", body))
+        time.sleep(0.5)  # the update waits for its broadcast, the request beside it
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.wait() == 0, srv.stderr
+        update.join(30)
+        gen.join(30)
+    finally:
+        srv.stop()
+        trainer.close()
+    answer = update_out["answer"]
+    assert answer.status_code == 400, answer.text
+    assert "broadcast from the trainer" in answer.json()["message"]
+    generated = gen_out["answer"]
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert verify_trace(trace).status == "ok"
+    with open_trace(trace) as t:
+        assert [r.finish_reason for r in t] == ["abort"]
 
 
 def test_areal_sends_the_port_as_a_string(server, checkpoints):
