@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from support.serve import ServerProcess, in_thread, wait_running
+from support.serve import ServerProcess, in_thread, post, wait_running
 
 from moetrace import open_trace
 
@@ -27,14 +27,11 @@ def server(tmp_path_factory):
     srv = ServerProcess(
         "demo", "--device", "cpu", "--enable-weight-updates", "--enable-return-routed-experts",
         "--num-kv-blocks", "256", "--trace-out", str(trace), "--shutdown-timeout", "5",
+        request_timeout_s=120,
     )  # fmt: skip
     srv.trace = trace
     yield srv
     assert srv.stop() == 0, srv.stderr
-
-
-def post(srv: ServerProcess, path: str, body: dict) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body, timeout=120)
 
 
 def start(srv: ServerProcess, path: str, body: dict):

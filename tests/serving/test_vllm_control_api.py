@@ -25,7 +25,7 @@ from support.checkpoints import (
     load_tensors,
     run,
 )
-from support.serve import ServerProcess, in_thread, record_probes, vllm_decode, wait_running
+from support.serve import ServerProcess, in_thread, post, record_probes, vllm_decode, wait_running
 from support.trainer import Trainer, specs_of
 
 MAX_NEW = 8
@@ -53,10 +53,6 @@ def server():
     )  # fmt: skip
     yield srv
     assert srv.stop() == 0, srv.stderr
-
-
-def post(srv, path, body=None, **kwargs) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body, timeout=60, **kwargs)
 
 
 def tokens_generate(srv, ids, max_tokens=MAX_NEW, **sampling) -> dict:

@@ -33,12 +33,13 @@ from support.serve import (
     DEMO_TOP_K,
     ServerProcess,
     in_thread,
+    post,
     record_probes,
     sglang_decode,
     wait_running,
 )
 from support.tensor_sender import TensorSender
-from support.trainer import Trainer, specs_of
+from support.trainer import Trainer, distributed_update, specs_of
 
 from moetrace import open_trace
 from moetrace.models.demo import DEMO_DIR
@@ -74,10 +75,6 @@ def server(tmp_path_factory):
     srv.trace = trace
     yield srv
     assert srv.stop() == 0, srv.stderr
-
-
-def post(srv: ServerProcess, path: str, body: dict | None = None, **kwargs) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body if body is not None else {}, timeout=60, **kwargs)
 
 
 def generate(srv: ServerProcess, ids: list[int], max_new: int = MAX_NEW, **extra) -> dict:
@@ -155,14 +152,9 @@ def test_slime_distributed_update_in_buckets(server, checkpoints, recorded):
         assert httpx.get(server.url + "/flush_cache", timeout=30).status_code == 200
         specs = specs_of(load_tensors(checkpoints["v2"]))
         for bucket in (specs[:100], specs[100:]):
-            body = {
-                "names": [s[0] for s in bucket],
-                "dtypes": [s[1] for s in bucket],
-                "shapes": [s[2] for s in bucket],
-                "group_name": trainer.group,
-                "flush_cache": False,
-                "weight_version": "2",
-            }
+            body = distributed_update(
+                bucket, group_name=trainer.group, flush_cache=False, weight_version="2"
+            )
             thread, out = in_thread(
                 lambda b=body: post(server, "/update_weights_from_distributed", b)
             )
@@ -212,7 +204,7 @@ def test_a_stop_during_a_weight_update_answers_everyone(checkpoints, tmp_path):
         request = {"text": "go on", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
         gen, gen_out = in_thread(lambda: post(srv, "/generate", request))
         wait_running(srv)
-        body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]]}
+        body = distributed_update([["model.norm.weight", "float32", [128]]])
         update, update_out = in_thread(lambda: post(srv, "/update_weights_from_distributed", body))
         time.sleep(0.5)  # the update waits for its broadcast, the request beside it
         srv.proc.send_signal(signal.SIGTERM)
@@ -377,13 +369,7 @@ def test_a_broadcast_the_model_cannot_take_changes_nothing(server, checkpoints, 
         trainer.expect("joined")
         good = ["model.layers.2.mlp.gate.weight", "float32", [16, 128]]
         bucket = [good, bad]
-        body = {
-            "names": [s[0] for s in bucket],
-            "dtypes": [s[1] for s in bucket],
-            "shapes": [s[2] for s in bucket],
-            "group_name": trainer.group,
-            "weight_version": "broken",
-        }
+        body = distributed_update(bucket, group_name=trainer.group, weight_version="broken")
         thread, out = in_thread(lambda: post(server, "/update_weights_from_distributed", body))
         trainer.send(bucket)
         thread.join(60)
@@ -402,11 +388,7 @@ def test_a_trainer_that_dies_or_never_sends_leaves_the_old_weights(server, check
     load_from_disk(server, checkpoints["demo"], "0")
     before = probe(server)
     specs = specs_of(load_tensors(checkpoints["v2"]))[:20]
-    body = {
-        "names": [s[0] for s in specs],
-        "dtypes": [s[1] for s in specs],
-        "shapes": [s[2] for s in specs],
-    }
+    body = distributed_update(specs)
     for how in ("dies", "silent"):
         trainer = Trainer(checkpoints["v2"])
         try:

@@ -21,11 +21,12 @@ from support.serve import (
     DEMO_TOP_K,
     ServerProcess,
     in_thread,
+    post,
     record_demo,
     sglang_decode,
 )
 from support.tensor_sender import TensorSender
-from support.trainer import Trainer, specs_of
+from support.trainer import Trainer, distributed_update, specs_of
 
 from moetrace.models.demo import DEMO_DIR
 
@@ -71,14 +72,10 @@ def server():
     srv = ServerProcess(
         "demo", "--device", "cpu", *TP, "--enable-weight-updates",
         "--enable-return-routed-experts", "--num-kv-blocks", "256", "--weight-update-timeout", "5",
-        timeout_s=300,
+        timeout_s=300, request_timeout_s=120,
     )  # fmt: skip
     yield srv
     assert srv.stop() == 0, srv.stderr
-
-
-def post(srv: ServerProcess, path: str, body: dict) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body, timeout=120)
 
 
 def assert_serves(srv: ServerProcess, want: dict, version: str) -> None:
@@ -130,13 +127,7 @@ def test_a_broadcast_reaches_every_rank(server, checkpoints, recorded):
         trainer.expect("joined")
         specs = specs_of(load_tensors(checkpoints["v2"]))
         for bucket in (specs[:100], specs[100:]):
-            body = {
-                "names": [s[0] for s in bucket],
-                "dtypes": [s[1] for s in bucket],
-                "shapes": [s[2] for s in bucket],
-                "group_name": trainer.group,
-                "weight_version": "2",
-            }
+            body = distributed_update(bucket, group_name=trainer.group, weight_version="2")
             thread, out = in_thread(
                 lambda b=body: post(server, "/update_weights_from_distributed", b)
             )
@@ -172,13 +163,7 @@ def test_a_broadcast_the_model_cannot_take_changes_no_rank(server, checkpoints, 
             ["model.layers.2.mlp.gate.weight", "float32", [16, 128]],
             ["model.layers.1.mlp.gate.weight", "float32", [16, 64]],
         ]
-        body = {
-            "names": [s[0] for s in bucket],
-            "dtypes": [s[1] for s in bucket],
-            "shapes": [s[2] for s in bucket],
-            "group_name": trainer.group,
-            "weight_version": "broken",
-        }
+        body = distributed_update(bucket, group_name=trainer.group, weight_version="broken")
         thread, out = in_thread(lambda: post(server, "/update_weights_from_distributed", body))
         trainer.send(bucket)
         thread.join(120)
@@ -196,12 +181,7 @@ def test_a_trainer_that_dies_mid_update_leaves_old_weights_and_no_group(
 ):
     load_from_disk(server, checkpoints["demo"], "0")
     specs = specs_of(load_tensors(checkpoints["v2"]))[:20]
-    body = {
-        "names": [s[0] for s in specs],
-        "dtypes": [s[1] for s in specs],
-        "shapes": [s[2] for s in specs],
-        "group_name": "dies",
-    }
+    body = distributed_update(specs, group_name="dies")
     trainer = Trainer(checkpoints["v2"], world_size=3, group="dies")
     try:
         assert post(server, "/init_weights_update_group", trainer.init_payload()).json()["success"]

@@ -35,8 +35,14 @@ class ServerProcess:
     """``moetrace serve`` started as a user starts it; ``url`` once it listens."""
 
     def __init__(
-        self, *args: str, timeout_s: float = 120.0, env: dict | None = None, **popen
+        self,
+        *args: str,
+        timeout_s: float = 120.0,
+        request_timeout_s: float = 60.0,
+        env: dict | None = None,
+        **popen,
     ) -> None:
+        self.request_timeout_s = request_timeout_s  # what ``post`` waits for an answer
         env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moetrace", "serve", *args, "--port", "0"],
@@ -167,6 +173,13 @@ def record_probes(
     lines = [{"id": r, "prompt_token_ids": ids, "temperature": 0} for r, ids in probes.items()]
     models = {key: str(path) for key, path in checkpoints.items()}
     return record_models(tmp, models, lines, max_tokens)
+
+
+def post(srv: ServerProcess, path: str, body: dict | None = None, **kwargs):
+    """POST ``body`` as JSON (none at all for ``None``), waiting the server's request timeout."""
+    import httpx
+
+    return httpx.post(srv.url + path, json=body, timeout=srv.request_timeout_s, **kwargs)
 
 
 def in_thread(target) -> tuple[threading.Thread, dict]:

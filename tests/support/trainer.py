@@ -108,6 +108,16 @@ def specs_of(tensors: dict, names: list[str] | None = None) -> list:
     ]
 
 
+def distributed_update(specs: list, **fields) -> dict:
+    """SGLang's ``update_weights_from_distributed`` body for ``specs`` ([name, dtype, shape])."""
+    return {
+        "names": [s[0] for s in specs],
+        "dtypes": [s[1] for s in specs],
+        "shapes": [s[2] for s in specs],
+        **fields,
+    }
+
+
 # ------------------------------------------------------------------------ the process
 
 
